@@ -1,0 +1,35 @@
+"""`pdmesh` entry point: subcommands are registered by the modules beside this one."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pdmesh.engine.config import CheckpointError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pdmesh.cli import bench_cmd, generate_cmd, model_cmd
+
+    parser = argparse.ArgumentParser(prog="pdmesh", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    model_cmd.register(commands)
+    generate_cmd.register(commands)
+    bench_cmd.register(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except (ValueError, CheckpointError, FileNotFoundError) as e:
+        print(f"pdmesh {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

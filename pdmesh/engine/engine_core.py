@@ -1,0 +1,65 @@
+"""`EngineCore`: one engine instance, token ids in, token ids out. The step is schedule → execute → update."""
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+from pdmesh.engine.config import EngineConfig, ModelConfig
+from pdmesh.engine.kv_cache import KVCacheManager, KVCacheStats
+from pdmesh.engine.model_runner import ModelRunner
+from pdmesh.engine.request import Request, RequestStatus
+from pdmesh.engine.sampling import SamplingParams
+from pdmesh.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
+
+
+class EngineCore:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.runner = ModelRunner(model_dir, self.model_config, self.config)
+        layout = self.runner.kv_layout
+        self.kv = KVCacheManager(layout.num_blocks, layout.block_size, self.config.enable_prefix_caching)
+        self.max_model_len = min(self.config.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings, layout.num_blocks * layout.block_size)
+        self.scheduler = Scheduler(SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                                                   self.max_model_len), self.kv)
+        self._ids = itertools.count()
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        """Queue a request; raises ValueError for an empty or too long prompt or a bad token id."""
+        request = self._make_request(prompt_token_ids, params, request_id)
+        self.scheduler.add_request(request)
+        return request.request_id
+
+    def _make_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                      request_id: str | None) -> Request:
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        params.validate_for_vocab(vocab)
+        return Request(request_id or f"req-{next(self._ids)}", list(prompt_token_ids), params,
+                       eos_token_ids=self.model_config.eos_token_ids)
+
+    def step(self) -> list[StepOutput]:
+        output = self.scheduler.schedule()
+        sampled = self.runner.execute(output, self.scheduler.requests)
+        return self.scheduler.update_from_output(output, sampled)
+
+    def abort(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id)
+
+    def finish(self, request_id: str, stop_reason: str) -> None:
+        """End a request that met a stop string (found by the detokenizing front end)."""
+        self.scheduler.finish(request_id, RequestStatus.FINISHED_STOPPED, stop_reason)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    def kv_stats(self) -> KVCacheStats:
+        return self.kv.stats()
