@@ -18,7 +18,7 @@ if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+
   echo "setup: installing torch==$TORCH_VERSION" >&2
   pip install "torch==$TORCH_VERSION"
 fi
-echo "setup: installing pdmesh (editable) and test tools" >&2
-pip install -e ".[test]"
+echo "setup: installing pdmesh and its client SDK (editable) and test tools" >&2
+pip install -e ./sdk -e ".[test]"
 .venv/bin/python -c "import torch, pdmesh.engine" || { echo "setup: the install is broken" >&2; exit 1; }
 echo "setup: ready (.venv/bin/pdmesh)" >&2

@@ -26,11 +26,30 @@ class EngineCore:
         self._ids = itertools.count()
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> str:
-        """Queue a request; raises ValueError for an empty or too long prompt or a bad token id."""
+                    request_id: str | None = None, hold_blocks: bool = False) -> str:
+        """Queue a request; raises ValueError for an empty or too long prompt or a bad token id.
+
+        With `hold_blocks` the KV blocks stay allocated after the request finishes, until
+        `release_held()` (a prefill instance pushes them to decode first).
+        """
         request = self._make_request(prompt_token_ids, params, request_id)
+        request.hold_blocks = hold_blocks
         self.scheduler.add_request(request)
         return request.request_id
+
+    def reserve(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> list[int] | None:
+        """Hold blocks for a prompt whose KV another instance computes; None if the pool is short."""
+        return self.scheduler.reserve(self._make_request(prompt_token_ids, params, request_id))
+
+    def kv_arrived(self, request_id: str, first_token_id: int | None = None) -> None:
+        """The reserved blocks hold the prompt's KV: decode from the first token on."""
+        self.scheduler.kv_arrived(request_id, first_token_id)
+
+    def blocks_of(self, request_id: str) -> list[int]:
+        return self.kv.blocks_of(request_id)
+
+    def release_held(self, request_id: str) -> bool:
+        return self.scheduler.release_held(request_id)
 
     def _make_request(self, prompt_token_ids: list[int], params: SamplingParams,
                       request_id: str | None) -> Request:

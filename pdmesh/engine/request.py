@@ -47,6 +47,7 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None
+    hold_blocks: bool = False         # keep the KV blocks after finishing until released (prefill push)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

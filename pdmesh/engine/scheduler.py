@@ -72,6 +72,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.waiting_for_kv: dict[str, Request] = {}
+        self.held: dict[str, Request] = {}       # finished, blocks kept until release_held()
         self._finished_ids: list[str] = []
 
     # ----- admission -----
@@ -92,12 +93,20 @@ class Scheduler:
         return list(blocks)
 
     def kv_arrived(self, request_id: str, first_token_id: int | None = None) -> None:
-        """The prompt's KV is in the reserved blocks: the request joins the queue to decode."""
+        """The prompt's KV is in the reserved blocks: the request joins the queue to decode.
+
+        Without `first_token_id` the last prompt token is computed again to sample the first output
+        token. A first token that already ends the request (EOS, stop token, max_tokens) finishes it here.
+        """
         request = self.waiting_for_kv.pop(request_id)
-        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_computed_tokens = request.num_prompt_tokens - (first_token_id is None)
         self.kv.cache_blocks(request_id, request.all_token_ids, request.num_computed_tokens)
         if first_token_id is not None:
             request.append_output(first_token_id)
+            status = request.check_stop(self.config.max_model_len)
+            if status is not None:
+                self.finish(request_id, status)
+                return
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
@@ -212,7 +221,10 @@ class Scheduler:
             del self.waiting_for_kv[request_id]
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv.free(request_id)
+        if request.hold_blocks and status is not RequestStatus.FINISHED_ABORTED:
+            self.held[request_id] = request
+        else:
+            self.kv.free(request_id)
         request.status = status
         if stop_reason is not None:
             request.stop_reason = stop_reason
@@ -220,7 +232,16 @@ class Scheduler:
         return True
 
     def abort(self, request_id: str) -> bool:
+        if self.release_held(request_id):
+            return True
         return self.finish(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def release_held(self, request_id: str) -> bool:
+        """Free the blocks a finished `hold_blocks` request kept; False if none are held."""
+        if self.held.pop(request_id, None) is None:
+            return False
+        self.kv.free(request_id)
+        return True
 
     @property
     def has_unfinished(self) -> bool:
@@ -237,6 +258,6 @@ class Scheduler:
     def check_integrity(self) -> None:
         self.kv.check_integrity()
         held = set(self.kv.req_blocks)
-        live = {r.request_id for r in self.running} | set(self.waiting_for_kv)
+        live = {r.request_id for r in self.running} | set(self.waiting_for_kv) | set(self.held)
         if not held <= live | {r.request_id for r in self.waiting}:
             raise AssertionError(f"blocks held by requests that are not live: {sorted(held - live)[:5]}")

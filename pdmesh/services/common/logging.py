@@ -1,0 +1,36 @@
+"""structlog JSON logs on stderr, with the request id bound per task (contextvars)."""
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+
+def configure_logging(service: str, level: str = "INFO", json: bool = True) -> None:
+    """Call once at process start (server.py)."""
+    renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
+    structlog.configure(
+        processors=[structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
+                    structlog.processors.TimeStamper(fmt="iso", utc=True), _add_service(service),
+                    structlog.processors.format_exc_info, renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper(), logging.INFO)),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr), cache_logger_on_first_use=True)
+
+
+def _add_service(service: str):
+    def add(_logger, _method, event: dict) -> dict:
+        event.setdefault("service", service)
+        return event
+    return add
+
+
+def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
+    return structlog.get_logger(name)
+
+
+def bind_request_id(request_id: str) -> None:
+    """Attach the request id to every log line of the current task."""
+    structlog.contextvars.clear_contextvars()
+    if request_id:
+        structlog.contextvars.bind_contextvars(request_id=request_id)
