@@ -5,14 +5,27 @@ Data flow of one step:
     → ModelRunner: ForwardBatch → DeepseekV3ForCausalLM (paged MLA cache, MoE on expert slots) → logits
     → Sampler → SampledToken → Scheduler.update_from_output() → StepOutput → OutputProcessor → CompletionOutput
 
-`LLM` is the offline front end; `EngineCore` is what services wrap.
+`LLM` is the offline front end; `EngineCore` is what services wrap. Exports load on first use, so
+light users (the gateway's tokenizer, sampling validation) do not import torch.
 """
 from __future__ import annotations
 
-from pdmesh.engine.config import CheckpointError, EngineConfig, ModelConfig
-from pdmesh.engine.engine_core import EngineCore
-from pdmesh.engine.llm import LLM, CompletionOutput
-from pdmesh.engine.sampling import SamplingParams
+import importlib
+from typing import Any
 
-__all__ = ["CheckpointError", "CompletionOutput", "EngineConfig", "EngineCore", "LLM", "ModelConfig",
-           "SamplingParams"]
+_EXPORTS = {
+    "CheckpointError": "pdmesh.engine.config",
+    "EngineConfig": "pdmesh.engine.config",
+    "ModelConfig": "pdmesh.engine.config",
+    "EngineCore": "pdmesh.engine.engine_core",
+    "LLM": "pdmesh.engine.llm",
+    "CompletionOutput": "pdmesh.engine.llm",
+    "SamplingParams": "pdmesh.engine.sampling",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'pdmesh.engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

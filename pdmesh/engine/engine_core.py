@@ -41,9 +41,9 @@ class EngineCore:
         """Hold blocks for a prompt whose KV another instance computes; None if the pool is short."""
         return self.scheduler.reserve(self._make_request(prompt_token_ids, params, request_id))
 
-    def kv_arrived(self, request_id: str, first_token_id: int | None = None) -> None:
-        """The reserved blocks hold the prompt's KV: decode from the first token on."""
-        self.scheduler.kv_arrived(request_id, first_token_id)
+    def kv_arrived(self, request_id: str, first_token_id: int | None = None) -> StepOutput | None:
+        """The reserved blocks hold the prompt's KV: decode from the first token on (see Scheduler)."""
+        return self.scheduler.kv_arrived(request_id, first_token_id)
 
     def blocks_of(self, request_id: str) -> list[int]:
         return self.kv.blocks_of(request_id)

@@ -54,6 +54,8 @@ class OutputProcessor:
         out.top_logprobs.extend(step.new_top_logprobs)
         out.num_cached_tokens = step.num_cached_tokens
         delta = detok.push(step.new_token_ids)
+        if step.finish_reason is not None:
+            delta += detok.flush()      # the stream ends: emit a held-back incomplete character too
         out.text += delta
         out.finish_reason, out.stop_reason = step.finish_reason, step.stop_reason
         if params.stop and out.finish_reason is None or (params.stop and out.finish_reason == "length"):

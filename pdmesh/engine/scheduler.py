@@ -92,11 +92,12 @@ class Scheduler:
         self.waiting_for_kv[request.request_id] = request
         return list(blocks)
 
-    def kv_arrived(self, request_id: str, first_token_id: int | None = None) -> None:
+    def kv_arrived(self, request_id: str, first_token_id: int | None = None) -> StepOutput | None:
         """The prompt's KV is in the reserved blocks: the request joins the queue to decode.
 
         Without `first_token_id` the last prompt token is computed again to sample the first output
-        token. A first token that already ends the request (EOS, stop token, max_tokens) finishes it here.
+        token. A first token that already ends the request (EOS, stop token, max_tokens) finishes it
+        here, and the returned output says why; otherwise None.
         """
         request = self.waiting_for_kv.pop(request_id)
         request.num_computed_tokens = request.num_prompt_tokens - (first_token_id is None)
@@ -106,9 +107,11 @@ class Scheduler:
             status = request.check_stop(self.config.max_model_len)
             if status is not None:
                 self.finish(request_id, status)
-                return
+                return StepOutput(request_id, [], [], [], status.value, request.stop_reason,
+                                  request.num_prompt_tokens, request.num_cached_tokens)
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
+        return None
 
     def _check_admissible(self, request: Request) -> None:
         if request.request_id in self.requests:
