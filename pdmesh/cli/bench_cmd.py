@@ -1,20 +1,25 @@
-"""`pdmesh bench ...`: each benchmark module registers its own subcommand."""
+"""`pdmesh bench NAME [...]`: each benchmark module registers its own subcommand.
+
+A benchmark's module is imported only when it runs, so other commands stay quick to start.
+"""
 from __future__ import annotations
 
 import argparse
 import importlib
 
-BENCHMARKS = ("engine", "forward")
+BENCHMARKS = ("engine", "forward", "serve", "kvxfer")
 
 
 def register(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("bench", help="benchmarks (each reports side-by-side ratios)")
-    sub = p.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
-    for name in BENCHMARKS:
-        try:
-            module = importlib.import_module(f"pdmesh.bench.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"pdmesh.bench.{name}":
-                raise
-            continue
-        module.register(sub)
+    p = commands.add_parser("bench", help="benchmarks: " + ", ".join(BENCHMARKS), add_help=False)
+    p.add_argument("benchmark", choices=BENCHMARKS, help="which benchmark")
+    p.add_argument("options", nargs=argparse.REMAINDER, help="its options (NAME --help lists them)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    module = importlib.import_module(f"pdmesh.bench.{args.benchmark}")
+    parser = argparse.ArgumentParser(prog="pdmesh bench")
+    module.register(parser.add_subparsers(dest="bench_command", required=True))
+    options = parser.parse_args([args.benchmark, *args.options])
+    return int(options.run(options) or 0)

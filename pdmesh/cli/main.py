@@ -8,13 +8,17 @@ from pdmesh.engine.config import CheckpointError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pdmesh.cli import bench_cmd, generate_cmd, model_cmd
+    from pdmesh.cli import bench_cmd, client_cmd, generate_cmd, model_cmd, serve_cmd, up_cmd
 
-    parser = argparse.ArgumentParser(prog="pdmesh", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="pdmesh", description="Serve Mixture-of-Experts models with prefill/decode disaggregation.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     model_cmd.register(commands)
     generate_cmd.register(commands)
     bench_cmd.register(commands)
+    client_cmd.register(commands)
+    up_cmd.register(commands)
+    serve_cmd.register(commands)
     return parser
 
 

@@ -20,13 +20,15 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--torch-threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                         kv_cache_memory_bytes=args.kv_cache_mib << 20, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                        enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device)
+                        enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device,
+                        num_threads=args.torch_threads)
 
 
 def resolve_model(model: Path | None) -> Path:
@@ -36,3 +38,19 @@ def resolve_model(model: Path | None) -> Path:
     from pdmesh.engine.model_init import default_model_dir
 
     return default_model_dir()
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine options of `args` as command-line flags again (the launcher passes them to workers)."""
+    argv = ["--dtype", args.dtype, "--device", args.device, "--block-size", str(args.block_size),
+            "--kv-cache-mib", str(args.kv_cache_mib), "--max-num-seqs", str(args.max_num_seqs),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.num_blocks is not None:
+        argv += ["--num-blocks", str(args.num_blocks)]
+    if args.max_model_len is not None:
+        argv += ["--max-model-len", str(args.max_model_len)]
+    if args.no_prefix_caching:
+        argv.append("--no-prefix-caching")
+    if args.torch_threads is not None:
+        argv += ["--torch-threads", str(args.torch_threads)]
+    return argv

@@ -7,6 +7,7 @@ token ids), so the gateway and the KV-metadata service can compute the same keys
 from __future__ import annotations
 
 import hashlib
+import sys
 from array import array
 
 BlockHash = bytes
@@ -14,7 +15,10 @@ BlockHash = bytes
 
 def hash_block(parent: BlockHash | None, token_ids: list[int] | tuple[int, ...]) -> BlockHash:
     h = hashlib.blake2b(parent or b"", digest_size=16)
-    h.update(array("q", token_ids).tobytes())
+    packed = array("q", token_ids)
+    if sys.byteorder == "big":        # hash little-endian int64 everywhere
+        packed.byteswap()
+    h.update(packed.tobytes())
     return h.digest()
 
 

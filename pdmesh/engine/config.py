@@ -158,6 +158,7 @@ class EngineConfig:
     dtype: str = "auto"                    # auto | float32 | bfloat16 | float16
     device: str = "auto"                   # auto | cpu | cuda | cuda:N
     seed: int = 0
+    num_threads: int | None = None         # torch CPU threads of this process; None: torch's default
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -169,5 +170,7 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

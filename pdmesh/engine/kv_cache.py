@@ -160,7 +160,7 @@ class KVCacheManager:
         blocks = self.req_blocks.setdefault(request_id, [])
         blocks.extend(prefix)
         blocks.extend(new_blocks)
-        return blocks
+        return list(blocks)
 
     def cache_blocks(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
         """Register the hashes of blocks that are full of computed tokens."""

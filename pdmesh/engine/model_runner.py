@@ -69,6 +69,8 @@ class ModelRunner:
     def __init__(self, model_dir: str | Path, model_config: ModelConfig, config: EngineConfig,
                  model: DeepseekV3ForCausalLM | None = None) -> None:
         self.config, self.model_config = config, model_config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
         self.load_seconds = 0.0

@@ -248,6 +248,7 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
+        """Requests that steps can advance (not those still waiting for KV from elsewhere)."""
         return bool(self.running or self.waiting)
 
     @property

@@ -76,7 +76,9 @@ class DeepseekV3ForCausalLM(nn.Module):
             raise ValueError(f"need one placement per MoE layer ({len(moe_ids)}), got {len(placements)}")
         dispatcher = dispatcher or LocalDispatcher()
         by_layer = dict(zip(moe_ids, zip(placements, local_slots)))
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # An explicit weight skips nn.Embedding's random init (which on the meta device imports torch._dynamo).
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(self._make_layer(config, i, by_layer, dispatcher)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -1,0 +1,176 @@
+"""The local launcher behind `pdmesh up`: plan the mesh's processes, start them, watch them, stop them.
+
+plan_mesh(MeshOptions) → [ServiceSpec] (pure: names, ports, argv) → Mesh.start(): Redis (embedded
+unless a URL is given) → kvstore → prefill and decode ranks → gateway, each waited for through the
+standard gRPC health service → Mesh.stop(): SIGTERM in reverse order, SIGKILL after a grace period.
+Children also get SIGTERM if the launcher dies (PR_SET_PDEATHSIG), so no process is orphaned.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdmesh.services.common.redis_server import EmbeddedRedis, free_port
+
+ROLE_ORDER = ("kvstore", "prefill", "decode", "gateway")
+
+
+@dataclass(frozen=True)
+class MeshOptions:
+    model_dir: Path
+    num_prefill: int = 1
+    num_decode: int = 1
+    mode: str = "disagg"
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 50051
+    redis_url: str | None = None
+    deployment: str = "default"
+    log_dir: Path = Path("pdmesh-logs")
+    worker_args: tuple[str, ...] = ()      # engine options passed to prefill and decode ranks
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("disagg", "agg"):
+            raise ValueError(f"--mode must be disagg or agg, got {self.mode!r}")
+        if self.num_decode < 1:
+            raise ValueError(f"--decode must be >= 1, got {self.num_decode}")
+        if self.num_prefill < 0 or (self.mode == "disagg" and self.num_prefill < 1):
+            raise ValueError(f"--prefill must be >= 1 in disagg mode (>= 0 in agg), got {self.num_prefill}")
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    name: str                  # instance id, also the log file's name
+    role: str
+    grpc_address: str
+    argv: tuple[str, ...]
+    metrics_port: int | None = None
+
+
+def plan_mesh(options: MeshOptions, redis_url: str, port_of=free_port) -> list[ServiceSpec]:
+    """The processes of a mesh, in start order (pure apart from picking free ports)."""
+    host = options.host
+    base = (sys.executable, "-m", "pdmesh.cli.main", "serve")
+
+    def common(role: str, name: str, port: int, metrics: int | None) -> tuple[str, ...]:
+        args = (*base, role, "--host", host, "--port", str(port), "--redis-url", redis_url,
+                "--deployment", options.deployment, "--instance-id", name, "--log-level", options.log_level)
+        return args + (("--metrics-port", str(metrics)) if metrics is not None else ())
+
+    specs: list[ServiceSpec] = []
+    kv_port, kv_metrics = port_of(host), port_of(host)
+    kvstore = f"{host}:{kv_port}"
+    specs.append(ServiceSpec("kvstore-0", "kvstore", kvstore, common("kvstore", "kvstore-0", kv_port, kv_metrics),
+                             kv_metrics))
+    num_prefill = options.num_prefill if options.mode == "disagg" else 0
+    for role, count in (("prefill", num_prefill), ("decode", options.num_decode)):
+        for index in range(count):
+            name, port, metrics = f"{role}-{index}", port_of(host), port_of(host)
+            argv = common(role, name, port, metrics) + ("--model", str(options.model_dir), "--kvstore", kvstore,
+                                                        *options.worker_args)
+            specs.append(ServiceSpec(name, role, f"{host}:{port}", argv, metrics))
+    gateway_argv = common("gateway", "gateway-0", options.grpc_port, None) + (
+        "--model", str(options.model_dir), "--http-port", str(options.http_port), "--mode", options.mode)
+    specs.append(ServiceSpec("gateway-0", "gateway", f"{host}:{options.grpc_port}", gateway_argv))
+    return specs
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it when the launcher exits (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class Mesh:
+    options: MeshOptions
+    specs: list[ServiceSpec] = field(default_factory=list)
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    redis: EmbeddedRedis | None = None
+    redis_url: str = ""
+
+    def start(self, timeout_s: float = 300.0, progress=print) -> None:
+        """Start everything and wait until each service reports SERVING; stops all on failure."""
+        self.options.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            if self.options.redis_url:
+                self.redis_url = self.options.redis_url
+            else:
+                self.redis = EmbeddedRedis(self.options.host).start()
+                self.redis_url = self.redis.url
+                progress(f"redis     embedded at {self.redis_url}")
+            self.specs = plan_mesh(self.options, self.redis_url)
+            deadline = time.monotonic() + timeout_s
+            for group in ROLE_ORDER:
+                started = [s for s in self.specs if s.role == group]
+                for spec in started:
+                    self._spawn(spec)
+                for spec in started:
+                    self._wait_serving(spec, deadline)
+                    progress(f"{spec.role:<9} {spec.name} ready on {spec.grpc_address}")
+        except BaseException:
+            self.stop()
+            raise
+
+    def _spawn(self, spec: ServiceSpec) -> None:
+        log = open(self.options.log_dir / f"{spec.name}.log", "ab")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.processes[spec.name] = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                                     stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        log.close()
+
+    def _wait_serving(self, spec: ServiceSpec, deadline: float) -> None:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with grpc.insecure_channel(spec.grpc_address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                process = self.processes[spec.name]
+                if process.poll() is not None:
+                    raise RuntimeError(f"{spec.name} exited with code {process.returncode}; "
+                                       f"last log lines:\n{self.log_tail(spec.name)}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{spec.name} was not ready in time; last log lines:\n{self.log_tail(spec.name)}")
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+
+    def log_tail(self, name: str, lines: int = 20) -> str:
+        path = self.options.log_dir / f"{name}.log"
+        if not path.exists():
+            return "(no log)"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    def failed(self) -> list[str]:
+        """Services whose process has exited."""
+        return [name for name, p in self.processes.items() if p.poll() is not None]
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every service in reverse start order, SIGKILL what is left after the grace period."""
+        for name in reversed(list(self.processes)):
+            if self.processes[name].poll() is None:
+                self.processes[name].send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for process in self.processes.values():
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None

@@ -1,0 +1,66 @@
+"""Real meshes for end-to-end tests: processes started by the launcher on loopback, real Redis,
+NIXL and gRPC, a tiny seeded model. One mesh per mode, shared by the tests of a session."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+
+from pdmesh.launcher import Mesh, MeshOptions
+from pdmesh.services.common.redis_server import free_port
+
+# Small KV pools so leaks show up; a small token budget so chunked prefill happens.
+WORKER_ARGS = ("--block-size", "8", "--num-blocks", "160", "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
+               "--torch-threads", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from pdmesh.engine.model_init import init_model
+
+    return init_model(tmp_path_factory.mktemp("model") / "tiny", preset="tiny", seed=0, verbose=False)
+
+
+def _start(mode: str, model: Path, log_dir: Path) -> Mesh:
+    options = MeshOptions(model_dir=model, num_prefill=1, num_decode=1, mode=mode, http_port=free_port(),
+                          grpc_port=free_port(), deployment=f"test-{mode}", log_dir=log_dir,
+                          worker_args=WORKER_ARGS)
+    mesh = Mesh(options)
+    mesh.start(timeout_s=240, progress=lambda line: None)
+    return mesh
+
+
+@pytest.fixture(scope="session")
+def disagg_mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    mesh = _start("disagg", tiny_model, tmp_path_factory.mktemp("logs-disagg"))
+    yield mesh
+    mesh.stop()
+
+
+@pytest.fixture(scope="session")
+def agg_mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    mesh = _start("agg", tiny_model, tmp_path_factory.mktemp("logs-agg"))
+    yield mesh
+    mesh.stop()
+
+
+def http_url(mesh: Mesh) -> str:
+    return f"http://{mesh.options.host}:{mesh.options.http_port}"
+
+
+def grpc_address(mesh: Mesh) -> str:
+    return f"{mesh.options.host}:{mesh.options.grpc_port}"
+
+
+def worker_status(mesh: Mesh, role: str) -> list:
+    """Status of every rank of a role, with the KV pool's integrity check run."""
+    from pdmesh_proto.decode.v1 import decode_pb2, decode_pb2_grpc
+    from pdmesh_proto.prefill.v1 import prefill_pb2_grpc
+
+    stub_class = decode_pb2_grpc.DecodeStub if role == "decode" else prefill_pb2_grpc.PrefillStub
+    statuses = []
+    for spec in (s for s in mesh.specs if s.role == role):
+        with grpc.insecure_channel(spec.grpc_address) as channel:
+            statuses.append(stub_class(channel).Status(decode_pb2.StatusRequest(check_integrity=True), timeout=30))
+    return statuses
