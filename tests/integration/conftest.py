@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import grpc
 import pytest
 
 from pdmesh.launcher import Mesh, MeshOptions
@@ -43,24 +42,3 @@ def agg_mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     mesh = _start("agg", tiny_model, tmp_path_factory.mktemp("logs-agg"))
     yield mesh
     mesh.stop()
-
-
-def http_url(mesh: Mesh) -> str:
-    return f"http://{mesh.options.host}:{mesh.options.http_port}"
-
-
-def grpc_address(mesh: Mesh) -> str:
-    return f"{mesh.options.host}:{mesh.options.grpc_port}"
-
-
-def worker_status(mesh: Mesh, role: str) -> list:
-    """Status of every rank of a role, with the KV pool's integrity check run."""
-    from pdmesh_proto.decode.v1 import decode_pb2, decode_pb2_grpc
-    from pdmesh_proto.prefill.v1 import prefill_pb2_grpc
-
-    stub_class = decode_pb2_grpc.DecodeStub if role == "decode" else prefill_pb2_grpc.PrefillStub
-    statuses = []
-    for spec in (s for s in mesh.specs if s.role == role):
-        with grpc.insecure_channel(spec.grpc_address) as channel:
-            statuses.append(stub_class(channel).Status(decode_pb2.StatusRequest(check_integrity=True), timeout=30))
-    return statuses

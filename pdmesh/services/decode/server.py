@@ -1,0 +1,62 @@
+"""`pdmesh serve decode`: a decode rank (wiring only; see `worker.runtime.run_worker`)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdmesh_proto.decode.v1 import decode_pb2_grpc
+
+from pdmesh.cli.options import add_engine_options, engine_config, resolve_model
+from pdmesh.engine.config import EngineConfig
+from pdmesh.services.common.options import CommonConfig, add_common_arguments, common_from_args
+from pdmesh.services.decode.receiver import KVReceiver
+from pdmesh.services.decode.servicer import DecodeServicer
+from pdmesh.services.worker.runtime import WorkerParts, WorkerSpec, run_worker
+from pdmesh.transfer.pb import layout_to_pb
+
+ROLE = "decode"
+SERVICE_NAME = "pdmesh.decode.v1.Decode"
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    common: CommonConfig
+    model_dir: Path
+    engine: EngineConfig
+    kvstore: str = ""            # host:port of the kvstore; empty: find it in the registry
+    lease_ms: int = 10000        # default reservation lease
+
+    def __post_init__(self) -> None:
+        if not 0 < self.lease_ms < 2**32:
+            raise ValueError(f"--lease-ms must be positive, got {self.lease_ms}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_arguments(parser)
+    add_engine_options(parser)
+    g = parser.add_argument_group("decode")
+    g.add_argument("--kvstore", default="", help="kvstore address host:port (default: from the registry)")
+    g.add_argument("--lease-ms", type=int, default=10000, help="how long reserved blocks wait for their KV")
+
+
+def config_from_args(args: argparse.Namespace) -> DecodeConfig:
+    return DecodeConfig(common_from_args(args), resolve_model(args.model), engine_config(args),
+                        args.kvstore, args.lease_ms)
+
+
+def _servicer(config: DecodeConfig):
+    def make(parts: WorkerParts) -> DecodeServicer:
+        receiver = KVReceiver(parts.engine)
+        servicer = DecodeServicer(parts.engine, receiver, parts.kvstore, parts.instance_id, parts.agent.name,
+                                  layout_to_pb(parts.agent.layout), config.lease_ms)
+        receiver.on_event = servicer.on_event
+        return servicer
+    return make
+
+
+async def serve(config: DecodeConfig, ready: asyncio.Event | None = None) -> None:
+    """Serve until cancelled; `ready` is set once the rank takes requests."""
+    spec = WorkerSpec(ROLE, SERVICE_NAME, _servicer(config), decode_pb2_grpc.add_DecodeServicer_to_server)
+    await run_worker(spec, config.common, config.model_dir, config.engine, config.kvstore, ready)

@@ -1,0 +1,89 @@
+"""`pdmesh serve kvstore`: the KV-metadata service (wiring only; see `store` and `servicer`).
+
+Start: connect Redis → gRPC server (health NOT_SERVING) → publish `InstanceInfo(role="kvstore")` once,
+then heartbeat it → health SERVING → `ready` set. Cancelled: heartbeat stopped, registry entry removed,
+health NOT_SERVING and server stopped, Redis closed (in that order).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+from dataclasses import dataclass
+
+from pdmesh.services.common.grpc_server import start_grpc_server
+from pdmesh.services.common.logging import get_logger
+from pdmesh.services.common.options import CommonConfig, add_common_arguments, common_from_args, run_service
+from pdmesh.services.common.registry import InstanceInfo, Registry, connect, heartbeat_forever
+from pdmesh.services.kvstore.servicer import KVStoreServicer
+from pdmesh.services.kvstore.store import KVStore
+from pdmesh_proto.kvstore.v1 import kvstore_pb2_grpc
+
+log = get_logger(__name__)
+ROLE = "kvstore"
+SERVICE_NAME = "pdmesh.kvstore.v1.KVStore"
+
+
+@dataclass(frozen=True)
+class KVStoreConfig:
+    common: CommonConfig
+    handoff_retention_s: float = 60.0    # how long a finished hand-off stays readable
+
+    def __post_init__(self) -> None:
+        if not self.handoff_retention_s >= 0.001:
+            raise ValueError(f"--handoff-retention-s must be >= 0.001, got {self.handoff_retention_s}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_arguments(parser)
+    g = parser.add_argument_group("kvstore")
+    g.add_argument("--handoff-retention-s", type=float, default=60.0,
+                   help="keep finished hand-off records this long (live ones last their lease)")
+
+
+def config_from_args(args: argparse.Namespace) -> KVStoreConfig:
+    return KVStoreConfig(common_from_args(args), args.handoff_retention_s)
+
+
+async def serve(config: KVStoreConfig, ready: asyncio.Event | None = None) -> None:
+    """Serve until cancelled; `ready` is set once requests are served and the registry lists us."""
+    common = config.common
+    redis = connect(common.redis_url)
+    registry = Registry(redis, common.deployment)
+    async with contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(redis.aclose)
+        store = KVStore(redis, common.deployment, retention_ms=int(config.handoff_retention_s * 1000))
+        servicer = KVStoreServicer(store)
+        server = await start_grpc_server(
+            common.host, common.port, [lambda s: kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, s)],
+            [SERVICE_NAME])
+        stack.push_async_callback(server.stop)
+        instance_id = common.instance(ROLE, server.port)
+        info = InstanceInfo(instance_id, ROLE, common.address(server.port), ready=True)
+        ttl_s = 3 * common.heartbeat_s
+        stack.push_async_callback(registry.remove, instance_id)
+        await registry.publish(info, ttl_s)
+        heartbeat = asyncio.ensure_future(heartbeat_forever(registry, lambda: info, common.heartbeat_s, ttl_s))
+        stack.push_async_callback(_cancel, heartbeat)
+        await server.set_serving(True)
+        log.info("serving", role=ROLE, instance=instance_id, address=info.address)
+        if ready is not None:
+            ready.set()
+        await asyncio.Future()           # until cancelled
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdmesh serve kvstore", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    config = config_from_args(parser.parse_args(argv))
+    return run_service(ROLE, config.common, lambda: serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

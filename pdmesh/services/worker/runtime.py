@@ -1,0 +1,111 @@
+"""Wiring shared by the decode and prefill servers: engine, NIXL agent, kvstore, gRPC, heartbeat.
+
+`run_worker` builds the engine and a NIXL agent (named after the instance id) over its KV pool,
+publishes the agent's metadata in the kvstore, starts the engine thread and the gRPC server, then
+heartbeats `InstanceInfo(ready=True, stats=...)` until cancelled; on the way out it deregisters,
+stops serving, aborts everything in the engine and closes its clients (in that order).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from pdmesh.engine.config import EngineConfig
+from pdmesh.engine.engine_core import EngineCore
+from pdmesh.services.common.grpc_server import start_grpc_server
+from pdmesh.services.common.logging import get_logger
+from pdmesh.services.common.options import CommonConfig
+from pdmesh.services.common.redis_server import free_port
+from pdmesh.services.common.registry import InstanceInfo, Registry, connect, heartbeat_forever
+from pdmesh.services.kvstore.client import KVStoreClient
+from pdmesh.services.worker.convert import heartbeat_stats
+from pdmesh.services.worker.engine_loop import EngineLoop
+from pdmesh.transfer.agent import KVTransferAgent
+
+log = get_logger(__name__)
+KVSTORE_DISCOVERY_S = 30.0
+
+
+@dataclass(frozen=True)
+class WorkerParts:
+    """What a servicer is built from."""
+
+    instance_id: str
+    engine: EngineLoop
+    agent: KVTransferAgent
+    kvstore: KVStoreClient
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    role: str                                          # "decode" | "prefill"
+    service_name: str                                  # full gRPC service name, for health
+    make_servicer: Callable[[WorkerParts], Any]
+    add_servicer: Callable[[Any, grpc.aio.Server], None]
+
+
+async def discover_kvstore(registry: Registry, timeout_s: float = KVSTORE_DISCOVERY_S) -> str:
+    """The address of a ready kvstore instance in the registry (waits for one to appear)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        found = [i for i in await registry.instances("kvstore") if i.ready]
+        if found:
+            return found[0].address
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"no kvstore instance registered within {timeout_s:g}s (pass --kvstore)")
+        await asyncio.sleep(0.5)
+
+
+async def run_worker(spec: WorkerSpec, common: CommonConfig, model_dir: Path, engine_config: EngineConfig,
+                     kvstore_address: str = "", ready: asyncio.Event | None = None) -> None:
+    """Serve until cancelled (see the module docstring)."""
+    port = common.port or (0 if common.instance_id else free_port(common.host))   # the default id needs it
+    instance_id = common.instance(spec.role, port)
+    engine = await asyncio.to_thread(EngineCore, model_dir, engine_config)
+    agent = KVTransferAgent(instance_id, engine.runner.kv_caches)
+    loop = EngineLoop(engine, agent, instance_id)
+    redis = connect(common.redis_url)
+    registry = Registry(redis, common.deployment)
+    async with contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(redis.aclose)
+        stack.callback(agent.close)                   # after the engine thread, its only user, ended
+        kvstore = KVStoreClient(kvstore_address or await discover_kvstore(registry))
+        stack.push_async_callback(kvstore.close)
+        await kvstore.register_agent(instance_id, agent.metadata(), instance_id)
+        servicer = spec.make_servicer(WorkerParts(instance_id, loop, agent, kvstore))   # sets loop.role
+        loop.start()
+        stack.push_async_callback(loop.stop)
+        if hasattr(servicer, "close"):
+            stack.push_async_callback(servicer.close)
+        server = await start_grpc_server(common.host, port, [lambda s: spec.add_servicer(servicer, s)],
+                                         [spec.service_name])
+        stack.push_async_callback(server.stop)
+        info = InstanceInfo(instance_id, spec.role, common.address(server.port), model=Path(model_dir).resolve().name,
+                            ready=True)
+        stack.push_async_callback(registry.remove, instance_id)
+        heartbeat = asyncio.ensure_future(heartbeat_forever(
+            registry, lambda: _report(loop, info), common.heartbeat_s, 3 * common.heartbeat_s))
+        stack.push_async_callback(_cancel, heartbeat)
+        await server.set_serving(True)
+        log.info("serving", role=spec.role, instance=instance_id, address=info.address,
+                 kv_blocks=engine.runner.kv_layout.num_blocks)
+        if ready is not None:
+            ready.set()
+        await asyncio.Future()           # until cancelled
+
+
+async def _report(loop: EngineLoop, info: InstanceInfo) -> InstanceInfo:
+    status = await loop.status()
+    return InstanceInfo(info.instance_id, info.role, info.address, model=info.model, ready=True,
+                        stats=heartbeat_stats(status))
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
