@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import multiprocessing as mp
+import os
 import time
 
 import pytest
@@ -118,6 +119,38 @@ def test_progress_thread_sleeps_when_idle():
     finally:
         agent.close()
     assert busy < 0.25, f"{busy:.2f} CPU seconds in 1 s of idling"
+
+
+def _listening_addresses() -> set[str]:
+    """Local addresses (hex, as /proc/net/tcp* write them) of this process's listening TCP sockets."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for row in list(f)[1:]:
+                cols = row.split()
+                if cols[3] == "0A" and cols[9] in inodes:          # 0A: LISTEN
+                    found.add(cols[1].rsplit(":", 1)[0])
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs Linux /proc")
+def test_agent_listens_on_loopback_only():
+    from pdmesh.transfer.agent import KVTransferAgent
+
+    before = _listening_addresses()
+    agent = KVTransferAgent("test-loopback", torch.zeros(SHAPE), progress_thread=False)
+    try:
+        new = _listening_addresses() - before
+    finally:
+        agent.close()
+    loopback = {"0100007F", "00000000000000000000000001000000"}        # 127.0.0.1, ::1
+    assert new and new <= loopback, new
 
 
 def test_kvxfer_quick_bench_reports_positive_figures(tmp_path):
