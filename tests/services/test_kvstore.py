@@ -36,7 +36,7 @@ def redis_url() -> Iterator[str]:
         yield redis.url
 
 
-def _run(redis_url: str, body: Callable[..., Awaitable[Any]], retention_s: float = 60.0) -> Any:
+def _run(redis_url: str, body: Callable[..., Awaitable[Any]], retention_s: float = 60.0, grace_s: float = 30.0) -> Any:
     """Start a kvstore, run `body(client, ctx)`, stop it.
 
     ctx: address, info (its registry entry), redis, registry, store (a second store on the same keys),
@@ -47,7 +47,7 @@ def _run(redis_url: str, body: Callable[..., Awaitable[Any]], retention_s: float
     kvstore_server.add_arguments(parser)
     config = kvstore_server.config_from_args(parser.parse_args([
         "--redis-url", redis_url, "--deployment", deployment, "--heartbeat-s", "0.2",
-        "--handoff-retention-s", str(retention_s)]))
+        "--handoff-retention-s", str(retention_s), "--handoff-grace-s", str(grace_s)]))
 
     async def main() -> Any:
         ready = asyncio.Event()
@@ -186,7 +186,7 @@ def test_unknown_handoff_is_not_found(redis_url):
     _run(redis_url, body)
 
 
-def test_lease_is_a_ttl_renewed_on_change_and_a_forgotten_reservation_disappears(redis_url):
+def test_lease_plus_grace_is_a_ttl_renewed_on_change_and_a_forgotten_reservation_disappears(redis_url):
     async def body(client: KVStoreClient, ctx) -> tuple[int, int, S, bool]:
         await client.open_handoff("short", "decode-0", 1, 300)
         await client.open_handoff("renewed", "decode-0", 1, 4000)
@@ -203,9 +203,9 @@ def test_lease_is_a_ttl_renewed_on_change_and_a_forgotten_reservation_disappears
             await asyncio.sleep(0.1)
         return first_ttl, renewed_ttl, present, False
 
-    first_ttl, renewed_ttl, present, gone = _run(redis_url, body)
-    assert 0 < first_ttl <= 300 and present == S.RESERVED and gone
-    assert renewed_ttl > 3600                              # reset to the full lease by the change
+    first_ttl, renewed_ttl, present, gone = _run(redis_url, body, grace_s=0.2)
+    assert 300 < first_ttl <= 500 and present == S.RESERVED and gone     # lease 300 + grace 200
+    assert renewed_ttl > 3600 + 200                        # reset to the full lease (+ grace) by the change
 
 
 def test_finished_handoff_is_retained_past_its_lease(redis_url):

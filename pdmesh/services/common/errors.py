@@ -26,6 +26,12 @@ class FailedPrecondition(MeshError):
     grpc_code, http_status, error_type = "FAILED_PRECONDITION", 409, "conflict_error"
 
 
+class Aborted(MeshError):
+    """A race was lost to another party (e.g. the decode reservation ended first); retry from the start."""
+
+    grpc_code, http_status, error_type = "ABORTED", 409, "conflict_error"
+
+
 class ResourceExhausted(MeshError):
     grpc_code, http_status, error_type = "RESOURCE_EXHAUSTED", 503, "overloaded_error"
 

@@ -1,9 +1,14 @@
 """Reservation bookkeeping of a decode rank, pure (no gRPC, Redis, NIXL or clock).
 
-A reservation is a lease: blocks are held for a prompt whose KV a prefill rank writes. It becomes
-admissible once both the KV notification has arrived and the `Decode` call has brought the first
-token, in either order; it expires at its deadline unless admitted before. Times are whatever
-monotonic clock the caller passes in.
+A reservation is a lease: blocks are held for a prompt whose KV a prefill rank writes. It is published
+once its kvstore hand-off is open (only then can a prefill rank know its blocks, and only then does its
+lease run). It becomes admissible once both the KV notification has arrived and the `Decode` call has
+brought the first token, in either order; it expires at its deadline unless admitted before. Times are
+whatever monotonic clock the caller passes in.
+
+When a published reservation ends before its KV arrived, whether a WRITE may still land in its blocks
+is decided by the hand-off state it was ended from (`may_be_written`): the kvstore record is the
+authority, since a prefill rank only writes after moving it RESERVED → TRANSFERRING.
 """
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import heapq
 from dataclasses import dataclass
 
 from pdmesh.services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from pdmesh.services.kvstore.core import HandoffState
 
 
 class LeaseTable:
@@ -39,6 +45,9 @@ class LeaseTable:
     def deadline(self, request_id: str) -> float | None:
         return self._deadlines.get(request_id)
 
+    def request_ids(self) -> list[str]:
+        return list(self._deadlines)
+
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._deadlines
 
@@ -54,6 +63,7 @@ class Reservation:
     kv_ready: bool = False               # the NIXL notification arrived
     first_token_id: int | None = None    # set by the Decode call
     decode_called: bool = False
+    published: bool = False              # its hand-off is open and its target handed out; the lease runs
 
     @property
     def admissible(self) -> bool:
@@ -67,11 +77,22 @@ class ReservationBook:
         self.leases = LeaseTable()
         self._items: dict[str, Reservation] = {}
 
-    def add(self, reservation: Reservation, deadline: float) -> None:
+    def add(self, reservation: Reservation, deadline: float | None = None) -> None:
+        """Hold a reservation; its lease runs from `publish` (or from here if `deadline` is given)."""
         if reservation.request_id in self._items:
             raise FailedPrecondition(f"request {reservation.request_id!r} is already reserved")
         self._items[reservation.request_id] = reservation
-        self.leases.add(reservation.request_id, deadline)
+        if deadline is not None:
+            self.leases.add(reservation.request_id, deadline)
+
+    def publish(self, request_id: str, deadline: float) -> bool:
+        """Mark the reservation published and start its lease; False if it is gone (aborted meanwhile)."""
+        reservation = self._items.get(request_id)
+        if reservation is None:
+            return False
+        reservation.published = True
+        self.leases.add(request_id, deadline)
+        return True
 
     def kv_arrived(self, request_id: str) -> Reservation | None:
         """Mark the KV as present; None for an unknown (expired, aborted) request."""
@@ -106,6 +127,16 @@ class ReservationBook:
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+def may_be_written(ended_from: HandoffState | None) -> bool:
+    """Whether a KV WRITE may still land in the blocks of a reservation whose hand-off was ended from
+    `ended_from` (None: unknown, e.g. the kvstore was unreachable or the record is gone).
+
+    RESERVED: no prefill rank claimed it, and none can any more. TRANSFERRING: a WRITE may be in flight.
+    READY: the WRITE landed. Already final: the party that ended it guarantees no WRITE of its is in
+    flight (prefill only cancels a hand-off when it posted no WRITE or its WRITE ended)."""
+    return ended_from is None or ended_from == HandoffState.TRANSFERRING
 
 
 def check_first_token(token_id: int | None, vocab_size: int) -> int | None:

@@ -1,10 +1,17 @@
 """`KVReceiver`: the decode rank's part of the engine loop (runs in the engine thread).
 
-Reserve holds blocks under a lease (`core.ReservationBook`). A reservation is admitted into the
-batch (`EngineCore.kv_arrived`) once both the NIXL notification (request id) and the Decode call
-(first token) are in, in either order; the lease runs out otherwise, the blocks go back and a
-waiting Decode call gets DeadlineExceeded. `on_event(kind, request_id)` runs on the event loop for
-"ready" (KV arrived), "consumed" (admitted), "expired" and "cancelled" (reservation aborted).
+Reserve holds blocks (`core.ReservationBook`); `publish` (once the kvstore hand-off is open) starts the
+lease. A reservation is admitted into the batch (`EngineCore.kv_arrived`) once both the NIXL
+notification (request id) and the Decode call (first token) are in, in either order. If its lease runs
+out first (a waiting Decode call gets DeadlineExceeded) or it is cancelled (the call ends with an
+aborted chunk), it ends:
+- not published yet (no prefill rank knows its blocks), or its KV already arrived: blocks freed at once;
+- else quarantined: the blocks stay out of the pool until `settle(request_id, free=True)` (the kvstore
+  says no WRITE can land), its NIXL notification arrives, or `quarantine_s` passes, whichever is first.
+A quarantined request id cannot be reserved again meanwhile (Unavailable).
+
+`on_event(kind, request_id)` runs on the event loop for "ready" (KV arrived), "consumed" (admitted),
+and "expired"/"cancelled" (a published reservation ended: end its hand-off, then `settle`).
 """
 from __future__ import annotations
 
@@ -12,41 +19,72 @@ import asyncio
 import time
 from collections.abc import Callable
 
+import torch
+
+from pdmesh.engine.request import Request
 from pdmesh.engine.sampling import SamplingParams
 from pdmesh.engine.scheduler import StepOutput
-from pdmesh.services.common.errors import DeadlineExceeded, ResourceExhausted
+from pdmesh.services.common.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from pdmesh.services.common.logging import get_logger
-from pdmesh.services.decode.core import Reservation, ReservationBook
-from pdmesh.services.worker.engine_loop import KV_RECEIVED_BYTES, LEASE_EXPIRIES, EngineLoop, RequestStream
+from pdmesh.services.decode.core import LeaseTable, Reservation, ReservationBook
+from pdmesh.services.worker.engine_loop import (KV_QUARANTINES, KV_RECEIVED_BYTES, LEASE_EXPIRIES, EngineLoop,
+                                                RequestStream)
 
 log = get_logger(__name__)
+DEFAULT_QUARANTINE_S = 30.0
+
+
+def skip_first_draw(request: Request, vocab_size: int) -> None:
+    """Advance a seeded, sampled request's generator past the draw prefill made for its first token, so
+    decode's next draw is the one offline would make. Contract with `pdmesh.engine.sampler`: every
+    sample of a non-greedy row draws exactly one [V] float32 Exp(1) vector from the row's generator."""
+    generator = request.generator
+    if generator is None or request.sampling_params.is_greedy:
+        return
+    torch.empty(vocab_size, dtype=torch.float32, device=generator.device).exponential_(generator=generator)
 
 
 class KVReceiver:
-    def __init__(self, loop: EngineLoop, on_event: Callable[[str, str], None] | None = None) -> None:
-        self.loop, self.on_event = loop, on_event
+    def __init__(self, loop: EngineLoop, on_event: Callable[[str, str], None] | None = None,
+                 quarantine_s: float = DEFAULT_QUARANTINE_S) -> None:
+        self.loop, self.on_event, self.quarantine_s = loop, on_event, quarantine_s
         self.book = ReservationBook()
+        self.quarantine = LeaseTable()     # ended reservations whose blocks a WRITE may still land in → cap
         self._waiters: dict[str, tuple[asyncio.Future, RequestStream]] = {}   # Decode calls awaiting KV
         loop.role = self
 
     # ----- asyncio side -----
-    async def reserve(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                      lease_s: float) -> list[int]:
-        """Reserve blocks for a prompt prefilled elsewhere; ResourceExhausted if the pool is short."""
-        return await self.loop.submit(self._reserve, list(prompt_ids), params, request_id, lease_s)
+    async def reserve(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> list[int]:
+        """Reserve blocks for a prompt prefilled elsewhere; ResourceExhausted if the pool is short,
+        Unavailable if the id is quarantined. The lease starts at `publish`."""
+        return await self.loop.submit(self._reserve, list(prompt_ids), params, request_id)
+
+    async def publish(self, request_id: str, lease_s: float) -> bool:
+        """The hand-off is open: start the lease; False if the reservation was aborted meanwhile."""
+        return await self.loop.submit(self._publish, request_id, lease_s)
 
     async def admit(self, request_id: str, first_token_id: int | None) -> RequestStream:
         """Wait for the reservation's KV, then admit it; the stream carries the tokens after the first.
         DeadlineExceeded if the lease runs out first, NotFound if there is no such reservation."""
         return await self.loop.submit(self._admit_call, request_id, first_token_id, deferred=True)
 
+    async def settle(self, request_id: str, free: bool) -> None:
+        """The hand-off of an ended reservation is recorded: `free` its blocks now, or keep the quarantine."""
+        await self.loop.submit(self._settle, request_id, free)
+
     # ----- engine thread -----
-    def _reserve(self, prompt_ids: list[int], params: SamplingParams, request_id: str, lease_s: float) -> list[int]:
+    def _reserve(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> list[int]:
+        if request_id in self.quarantine:
+            raise Unavailable(f"request id {request_id!r} is quarantined here (a KV write into its previous "
+                              "blocks may still land); reserve it on another rank or later")
         blocks = self.loop.engine.reserve(prompt_ids, params, request_id)
         if blocks is None:
             raise ResourceExhausted(f"not enough free KV blocks for a {len(prompt_ids)}-token prompt")
-        self.book.add(Reservation(request_id, len(blocks), len(prompt_ids)), time.monotonic() + lease_s)
+        self.book.add(Reservation(request_id, len(blocks), len(prompt_ids)))
         return blocks
+
+    def _publish(self, request_id: str, lease_s: float) -> bool:
+        return self.book.publish(request_id, time.monotonic() + lease_s)
 
     def _admit_call(self, future: asyncio.Future, request_id: str, first_token_id: int | None) -> None:
         reservation = self.book.decode_called(request_id, first_token_id)
@@ -55,10 +93,12 @@ class KVReceiver:
             self._admit(reservation)
 
     def _admit(self, reservation: Reservation) -> None:
-        request_id = reservation.request_id
+        request_id, engine = reservation.request_id, self.loop.engine
         self.book.pop(request_id)
         future, stream = self._waiters.pop(request_id)
-        output = self.loop.engine.kv_arrived(request_id, reservation.first_token_id)
+        if reservation.first_token_id is not None:      # prefill sampled it: its draw is spent
+            skip_first_draw(engine.scheduler.requests[request_id], self.loop.vocab_size)
+        output = engine.kv_arrived(request_id, reservation.first_token_id)
         if output is not None:            # the first token already ended the request
             self.loop.deliver([(stream, output)])
         else:
@@ -67,17 +107,25 @@ class KVReceiver:
         self.loop.resolve(future, stream)
 
     def is_busy(self) -> bool:
-        return len(self.book) > 0
+        return len(self.book) > 0 or len(self.quarantine) > 0
 
     def poll(self) -> None:
-        if not self.book:
+        if not self.is_busy():
             return
         for request_id in self.loop.agent.notifications():
             self._kv_arrived(request_id)
-        for reservation in self.book.expire(time.monotonic()):
-            self._expired(reservation.request_id)
+        now = time.monotonic()
+        for reservation in self.book.expire(now):
+            self._expired(reservation)
+        for request_id in self.quarantine.expired(now):
+            log.warning("quarantine cap passed without the KV notification; blocks freed", request_id=request_id)
+            self.loop.engine.abort(request_id)
 
     def _kv_arrived(self, request_id: str) -> None:
+        if self.quarantine.remove(request_id):       # the late WRITE landed: nothing can write there any more
+            log.info("KV of an ended reservation arrived; quarantined blocks freed", request_id=request_id)
+            self.loop.engine.abort(request_id)
+            return
         reservation = self.book.kv_arrived(request_id)
         if reservation is None:
             log.warning("KV notification for no reservation (expired or aborted)", request_id=request_id)
@@ -90,8 +138,8 @@ class KVReceiver:
         if reservation.admissible:
             self._admit(reservation)
 
-    def _expired(self, request_id: str) -> None:
-        self.loop.engine.abort(request_id)
+    def _expired(self, reservation: Reservation) -> None:
+        request_id = reservation.request_id
         self.loop.stats.lease_expiries += 1
         LEASE_EXPIRIES.labels(instance=self.loop.instance_id).inc()
         log.warning("reservation lease expired before the KV arrived", request_id=request_id)
@@ -99,21 +147,41 @@ class KVReceiver:
         if waiter is not None:
             self.loop.resolve(waiter[0], error=DeadlineExceeded(
                 f"the KV of request {request_id} did not arrive within its lease"))
-        self.loop.emit(self.on_event, "expired", request_id)
+        self._end(reservation, "expired")
+
+    def _end(self, reservation: Reservation, kind: str) -> None:
+        """A reservation ended before admission: free its blocks, or quarantine them until `settle`."""
+        request_id = reservation.request_id
+        if reservation.published and not reservation.kv_ready:
+            self.quarantine.add(request_id, time.monotonic() + self.quarantine_s)
+        else:
+            self.loop.engine.abort(request_id)
+        if reservation.published:
+            self.loop.emit(self.on_event, kind, request_id)
+
+    def _settle(self, request_id: str, free: bool) -> None:
+        if not free:                      # counted even if the KV landed meanwhile (the blocks were kept)
+            self.loop.stats.kv_quarantines += 1
+            KV_QUARANTINES.labels(instance=self.loop.instance_id).inc()
+            log.warning("reservation ended while a KV write into it may be in flight; blocks quarantined",
+                        request_id=request_id, still_held=request_id in self.quarantine, cap_s=self.quarantine_s)
+        elif self.quarantine.remove(request_id):
+            self.loop.engine.abort(request_id)
 
     def take(self, output: StepOutput) -> bool:
         return False
 
     def abort(self, request_id: str) -> tuple[bool, bool]:
-        if self.book.pop(request_id) is None:
-            return False, False
+        reservation = self.book.pop(request_id)
+        if reservation is None:           # quarantined blocks are never freed by an abort
+            return False, request_id in self.quarantine
         waiter = self._waiters.pop(request_id, None)
         if waiter is not None:            # the Decode call ends with an aborted chunk
             future, stream = waiter
             self.loop.deliver([(stream, stream.aborted_output())])
             self.loop.resolve(future, stream)
-        self.loop.emit(self.on_event, "cancelled", request_id)
-        return True, False
+        self._end(reservation, "cancelled")
+        return True, True
 
     def fail_all(self, error: BaseException) -> set[str]:
         for future, _ in self._waiters.values():
@@ -121,4 +189,4 @@ class KVReceiver:
         self._waiters.clear()
         for request_id in self.book.request_ids():
             self.book.pop(request_id)
-        return set()
+        return set(self.quarantine.request_ids())

@@ -11,7 +11,7 @@ from pdmesh_proto.decode.v1 import decode_pb2_grpc
 from pdmesh.cli.options import add_engine_options, engine_config, resolve_model
 from pdmesh.engine.config import EngineConfig
 from pdmesh.services.common.options import CommonConfig, add_common_arguments, common_from_args
-from pdmesh.services.decode.receiver import KVReceiver
+from pdmesh.services.decode.receiver import DEFAULT_QUARANTINE_S, KVReceiver
 from pdmesh.services.decode.servicer import DecodeServicer
 from pdmesh.services.worker.runtime import WorkerParts, WorkerSpec, run_worker
 from pdmesh.transfer.pb import layout_to_pb
@@ -27,10 +27,13 @@ class DecodeConfig:
     engine: EngineConfig
     kvstore: str = ""            # host:port of the kvstore; empty: find it in the registry
     lease_ms: int = 10000        # default reservation lease
+    kv_quarantine_s: float = DEFAULT_QUARANTINE_S   # cap on holding blocks a late KV write may land in
 
     def __post_init__(self) -> None:
         if not 0 < self.lease_ms < 2**32:
             raise ValueError(f"--lease-ms must be positive, got {self.lease_ms}")
+        if not self.kv_quarantine_s > 0:
+            raise ValueError(f"--kv-quarantine-s must be positive, got {self.kv_quarantine_s}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,16 +42,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("decode")
     g.add_argument("--kvstore", default="", help="kvstore address host:port (default: from the registry)")
     g.add_argument("--lease-ms", type=int, default=10000, help="how long reserved blocks wait for their KV")
+    g.add_argument("--kv-quarantine-s", type=float, default=DEFAULT_QUARANTINE_S,
+                   help="at most this long, blocks of an ended reservation whose KV write may still land stay "
+                        "out of the pool (freed as soon as the write's notification arrives)")
 
 
 def config_from_args(args: argparse.Namespace) -> DecodeConfig:
     return DecodeConfig(common_from_args(args), resolve_model(args.model), engine_config(args),
-                        args.kvstore, args.lease_ms)
+                        args.kvstore, args.lease_ms, args.kv_quarantine_s)
 
 
 def _servicer(config: DecodeConfig):
     def make(parts: WorkerParts) -> DecodeServicer:
-        receiver = KVReceiver(parts.engine)
+        receiver = KVReceiver(parts.engine, quarantine_s=config.kv_quarantine_s)
         servicer = DecodeServicer(parts.engine, receiver, parts.kvstore, parts.instance_id, parts.agent.name,
                                   layout_to_pb(parts.agent.layout), config.lease_ms)
         receiver.on_event = servicer.on_event

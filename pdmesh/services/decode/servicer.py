@@ -1,11 +1,12 @@
 """The Decode gRPC service: pb → engine loop → pb. Domain errors become status codes in the interceptor.
 
-Contracts: Reserve opens the kvstore hand-off (RESERVED) and returns where the KV must be written;
-Decode waits for the KV (the NIXL notification may come before or after the call, the lease bounds
-the wait) and streams the tokens after the first; a Decode or Generate call that ends before its
-request finished (client gone, cancelled) aborts the request, which frees its blocks. Hand-off
-state changes seen by the engine thread (READY, CONSUMED, EXPIRED, CANCELLED) go to the kvstore in
-order, best effort.
+Contracts: Reserve opens the kvstore hand-off (RESERVED), then starts the lease (`publish`), and returns
+where the KV must be written; Decode waits for the KV (the NIXL notification may come before or after
+the call, the lease bounds the wait) and streams the tokens after the first; a Decode or Generate call
+that ends before its request finished (client gone, cancelled) aborts the request, which frees its
+blocks. A reservation that ends early is ended in the kvstore by compare-and-set and its blocks freed or
+quarantined (`handoff.HandoffEnder`); Cancel answers once that is decided. READY and CONSUMED go to the
+kvstore in order, best effort (`handoff.HandoffReporter`).
 """
 from __future__ import annotations
 
@@ -16,56 +17,26 @@ from typing import Any
 import grpc
 from pdmesh_proto.common.v1 import common_pb2
 from pdmesh_proto.decode.v1 import decode_pb2, decode_pb2_grpc
-from pdmesh_proto.kvstore.v1 import kvstore_pb2
 
-from pdmesh.services.common.errors import FailedPrecondition, InvalidArgument, MeshError, NotFound, Unavailable
+from pdmesh.services.common.errors import InvalidArgument, MeshError, Unavailable
 from pdmesh.services.common.logging import get_logger
 from pdmesh.services.decode.core import check_first_token
+from pdmesh.services.decode.handoff import HandoffEnder, HandoffReporter
 from pdmesh.services.decode.receiver import KVReceiver
+from pdmesh.services.kvstore.core import HandoffState
 from pdmesh.services.worker.convert import chunk_from_steps, sampling_from_pb, worker_status_pb
 from pdmesh.services.worker.engine_loop import EngineLoop, RequestStream
 
 log = get_logger(__name__)
-EVENT_STATES = {"ready": kvstore_pb2.HANDOFF_STATE_READY, "consumed": kvstore_pb2.HANDOFF_STATE_CONSUMED,
-                "expired": kvstore_pb2.HANDOFF_STATE_EXPIRED, "cancelled": kvstore_pb2.HANDOFF_STATE_CANCELLED}
+S = HandoffState
+REPORTS = {"ready": (S.READY, S.TRANSFERRING), "consumed": (S.CONSUMED, S.READY)}    # event → (state, from)
+ENDS = {"expired": S.EXPIRED, "cancelled": S.CANCELLED}
 
 
 def require_id(request_id: str) -> str:
     if not request_id:
         raise InvalidArgument("request_id is empty")
     return request_id
-
-
-class HandoffReporter:
-    """Sends hand-off state changes to the kvstore one at a time, in order; failures are logged."""
-
-    def __init__(self, kvstore: Any) -> None:
-        self.kvstore = kvstore
-        self._queue: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
-        self._task: asyncio.Task | None = None
-
-    def report(self, request_id: str, state: int) -> None:
-        if self._task is None:
-            self._task = asyncio.ensure_future(self._run())
-        self._queue.put_nowait((request_id, state))
-
-    async def _run(self) -> None:
-        while True:
-            request_id, state = await self._queue.get()
-            try:
-                await self.kvstore.update_handoff(request_id, state)
-            except (FailedPrecondition, NotFound) as e:   # already final (CANCELLED by prefill too), or lapsed
-                log.info("hand-off not updated", request_id=request_id,
-                         state=kvstore_pb2.HandoffState.Name(state), reason=str(e))
-            except Exception as e:  # noqa: BLE001 - bookkeeping only: never fails a request
-                log.warning("hand-off update failed", request_id=request_id,
-                            state=kvstore_pb2.HandoffState.Name(state), error=str(e))
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
 
 
 async def stream_chunks(engine: EngineLoop, stream: RequestStream, context: grpc.aio.ServicerContext,
@@ -94,22 +65,37 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.engine, self.receiver, self.kvstore, self.instance_id = engine, receiver, kvstore, instance_id
         self.agent_name, self.layout, self.default_lease_ms = agent_name, layout, default_lease_ms
         self.handoffs = HandoffReporter(kvstore)
+        self.ender = HandoffEnder(kvstore, receiver.settle)
 
     async def close(self) -> None:
         await self.handoffs.close()
+        await self.ender.close()
 
     def on_event(self, kind: str, request_id: str) -> None:
         """Engine-thread events (run on the event loop) → kvstore hand-off states."""
-        self.handoffs.report(request_id, EVENT_STATES[kind])
+        if kind in ENDS:
+            self.ender.start(request_id, ENDS[kind])
+        else:
+            self.handoffs.report(request_id, *REPORTS[kind])
 
     async def Reserve(self, request: decode_pb2.ReserveRequest, context) -> decode_pb2.ReserveResponse:
         request_id, lease_ms = require_id(request.request_id), request.lease_ms or self.default_lease_ms
         blocks = await abort_if_cancelled(self.engine, request_id, self.receiver.reserve(
-            list(request.prompt_token_ids), sampling_from_pb(request.sampling), request_id,
-            lease_ms / 1000.0))
+            list(request.prompt_token_ids), sampling_from_pb(request.sampling), request_id))
         await self._open_handoff(request_id, len(blocks), lease_ms)
+        await self._publish(request_id, lease_ms)
         return decode_pb2.ReserveResponse(target=common_pb2.KVTarget(
             agent_name=self.agent_name, layout=self.layout, block_ids=blocks, instance_id=self.instance_id))
+
+    async def _publish(self, request_id: str, lease_ms: int) -> None:
+        """Start the lease; if the reservation was aborted meanwhile, cancel the record just opened."""
+        if await abort_if_cancelled(self.engine, request_id, self.receiver.publish(request_id, lease_ms / 1000.0)):
+            return
+        try:
+            await self.kvstore.update_handoff(request_id, S.CANCELLED, expected=S.RESERVED)
+        except Exception as e:  # noqa: BLE001 - bookkeeping only: the record lapses by itself
+            log.warning("hand-off not cancelled", request_id=request_id, error=str(e))
+        raise Unavailable(f"the reservation of request {request_id} was aborted while it was being made")
 
     async def _open_handoff(self, request_id: str, num_blocks: int, lease_ms: int) -> None:
         try:
@@ -136,7 +122,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             yield chunk
 
     async def Cancel(self, request: decode_pb2.CancelRequest, context) -> decode_pb2.CancelResponse:
-        return decode_pb2.CancelResponse(found=await self.engine.abort(require_id(request.request_id)))
+        request_id = require_id(request.request_id)
+        found = await self.engine.abort(request_id)
+        await self.ender.settled(request_id)   # its end was queued before the abort's answer: it is known here
+        return decode_pb2.CancelResponse(found=found)
 
     async def Status(self, request: decode_pb2.StatusRequest, context) -> decode_pb2.WorkerStatus:
         return worker_status_pb(self.instance_id, await self.engine.status(request.check_integrity))

@@ -11,7 +11,9 @@ Contracts:
   (that aborts the request on decode); a Prefill still in flight is cancelled and its reservation
   released with decode.Cancel.
 - Retries (tenacity) only happen before the first event: Reserve/Generate failing UNAVAILABLE or
-  RESOURCE_EXHAUSTED moves to another decode rank, a failing Prefill to another prefill rank.
+  RESOURCE_EXHAUSTED moves to another decode rank, a failing Prefill (UNAVAILABLE, or ABORTED: the
+  reservation ended before the KV was ready) to another prefill rank, with a new Reserve under the same
+  request id (the kvstore replaces the ended hand-off record).
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ _ERRORS = {grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
            grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
            grpc.StatusCode.UNAVAILABLE: errors.Unavailable, grpc.StatusCode.CANCELLED: errors.Unavailable,
            grpc.StatusCode.NOT_FOUND: errors.Unavailable,      # a worker lost the request (e.g. lease expired)
+           grpc.StatusCode.ABORTED: errors.Unavailable,        # prefill lost the hand-off (lease ended first)
            grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded}
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 

@@ -11,15 +11,16 @@ import time
 
 import grpc
 
-from pdmesh.services.common.errors import (DeadlineExceeded, FailedPrecondition, InvalidArgument, MeshError,
-                                           NotFound, ResourceExhausted, Unavailable)
+from pdmesh.services.common.errors import (Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument,
+                                           MeshError, NotFound, ResourceExhausted, Unavailable)
 from pdmesh.services.common.grpc_server import channel, request_metadata
 from pdmesh.services.kvstore.core import Handoff, HandoffState, parse_state
 from pdmesh_proto.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 _ERRORS: dict[grpc.StatusCode, type[MeshError]] = {
     grpc.StatusCode[cls.grpc_code]: cls
-    for cls in (InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted, Unavailable, DeadlineExceeded)}
+    for cls in (InvalidArgument, NotFound, FailedPrecondition, Aborted, ResourceExhausted, Unavailable,
+                DeadlineExceeded)}
 
 
 def domain_error(error: grpc.aio.AioRpcError) -> MeshError:
@@ -64,11 +65,14 @@ class KVStoreClient:
                                                  num_blocks=num_blocks, lease_ms=lease_ms)
         return Handoff.from_message(await self._call(self._stub.OpenHandoff, request, request_id))
 
-    async def update_handoff(self, request_id: str, state: HandoffState | int | str,
-                             prefill_instance: str = "") -> Handoff:
-        """`state`: a HandoffState, its proto number (kvstore_pb2.HANDOFF_STATE_*) or its name."""
+    async def update_handoff(self, request_id: str, state: HandoffState | int | str, prefill_instance: str = "",
+                             expected: HandoffState | int | str | None = None) -> Handoff:
+        """`state`: a HandoffState, its proto number (kvstore_pb2.HANDOFF_STATE_*) or its name. With `expected`
+        a compare-and-set: FailedPrecondition unless the record is in that state now."""
         request = kvstore_pb2.UpdateHandoffRequest(request_id=request_id, state=int(parse_state(state)),
                                                    prefill_instance=prefill_instance)
+        if expected is not None:
+            request.expected_state = int(parse_state(expected))
         return Handoff.from_message(await self._call(self._stub.UpdateHandoff, request, request_id))
 
     async def get_handoff(self, request_id: str) -> Handoff:

@@ -1,16 +1,18 @@
 """The KV hand-off record and its state machine, pure (no gRPC, Redis, NIXL or clock).
 
 One hand-off per request: decode opens it RESERVED when it holds blocks; prefill moves it to TRANSFERRING
-while its WRITE runs; READY once the KV is in the decode blocks; decode marks it CONSUMED when it admits
-the request. EXPIRED and CANCELLED end it early. Terminal states (CONSUMED, EXPIRED, CANCELLED) never
-change again.
+(compare-and-set from RESERVED) right before its WRITE, and may not write otherwise; decode marks it READY
+once the KV is in its blocks and CONSUMED when it admits the request. EXPIRED and CANCELLED end it early.
+Terminal states (CONSUMED, EXPIRED, CANCELLED) never change again; only a new `open_handoff` under the same
+id (a retry) replaces a terminal record.
 
     RESERVED     → TRANSFERRING | READY | CANCELLED | EXPIRED
     TRANSFERRING → READY | CANCELLED | EXPIRED
     READY        → CONSUMED | CANCELLED | EXPIRED
 
 The graph has no cycle, so "the state is still S" proves no transition happened since S was read (the
-store's compare-and-set relies on it). `HandoffState` values are the `kvstore.v1.HandoffState` numbers.
+store's compare-and-set relies on it). A move to the state the record is already in is a no-op.
+`HandoffState` values are the `kvstore.v1.HandoffState` numbers.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from typing import Any
 from pdmesh.services.common.errors import FailedPrecondition, InvalidArgument
 
 MAX_LEASE_MS = 2**32 - 1              # the wire field is a uint32
+DEFAULT_GRACE_MS = 30_000             # a live record outlives its lease by this much (see `ttl_ms`)
 
 
 class HandoffState(enum.IntEnum):
@@ -117,13 +120,24 @@ def open_handoff(request_id: str, decode_instance: str, num_blocks: int, lease_m
     return Handoff(request_id, HandoffState.RESERVED, decode_instance, "", num_blocks, lease_ms, now_ms)
 
 
+def check_expected(handoff: Handoff, expected: HandoffState | None) -> None:
+    """Compare-and-set guard: FailedPrecondition unless the record is in `expected` (None: any state)."""
+    if expected is not None and handoff.state != expected:
+        raise FailedPrecondition(f"the hand-off of request {handoff.request_id!r} is {handoff.state.name}, "
+                                 f"not {expected.name}")
+
+
 def advance(handoff: Handoff, new: HandoffState, prefill_instance: str, now_ms: int) -> Handoff:
-    """The hand-off moved to `new` (FailedPrecondition if illegal); a non-empty prefill_instance is recorded."""
+    """The hand-off moved to `new` (FailedPrecondition if illegal); a non-empty prefill_instance is recorded.
+    Moving to the current state returns `handoff` itself (idempotent: nothing changes, not even updated_ms)."""
+    if new == handoff.state:
+        return handoff
     check_transition(handoff.state, new)
     return replace(handoff, state=new, prefill_instance=prefill_instance or handoff.prefill_instance,
                    updated_ms=now_ms)
 
 
-def ttl_ms(handoff: Handoff, retention_ms: int) -> int:
-    """How long the record lives from its last change: the lease while live, the retention once final."""
-    return retention_ms if handoff.state.terminal else handoff.lease_ms
+def ttl_ms(handoff: Handoff, retention_ms: int, grace_ms: int = DEFAULT_GRACE_MS) -> int:
+    """How long the record lives from its last change: the lease plus a grace period while live (the state
+    machine, not Redis expiry, ends a reservation: decode moves it to EXPIRED), the retention once final."""
+    return retention_ms if handoff.state.terminal else handoff.lease_ms + grace_ms

@@ -29,21 +29,26 @@ SERVICE_NAME = "pdmesh.kvstore.v1.KVStore"
 class KVStoreConfig:
     common: CommonConfig
     handoff_retention_s: float = 60.0    # how long a finished hand-off stays readable
+    handoff_grace_s: float = 30.0        # how long a live hand-off outlives its lease (swept after that)
 
     def __post_init__(self) -> None:
         if not self.handoff_retention_s >= 0.001:
             raise ValueError(f"--handoff-retention-s must be >= 0.001, got {self.handoff_retention_s}")
+        if not self.handoff_grace_s >= 0:
+            raise ValueError(f"--handoff-grace-s must be >= 0, got {self.handoff_grace_s}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
     g = parser.add_argument_group("kvstore")
     g.add_argument("--handoff-retention-s", type=float, default=60.0,
-                   help="keep finished hand-off records this long (live ones last their lease)")
+                   help="keep finished hand-off records this long")
+    g.add_argument("--handoff-grace-s", type=float, default=30.0,
+                   help="live hand-off records last their lease plus this long (decode expires them before)")
 
 
 def config_from_args(args: argparse.Namespace) -> KVStoreConfig:
-    return KVStoreConfig(common_from_args(args), args.handoff_retention_s)
+    return KVStoreConfig(common_from_args(args), args.handoff_retention_s, args.handoff_grace_s)
 
 
 async def serve(config: KVStoreConfig, ready: asyncio.Event | None = None) -> None:
@@ -53,7 +58,8 @@ async def serve(config: KVStoreConfig, ready: asyncio.Event | None = None) -> No
     registry = Registry(redis, common.deployment)
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(redis.aclose)
-        store = KVStore(redis, common.deployment, retention_ms=int(config.handoff_retention_s * 1000))
+        store = KVStore(redis, common.deployment, retention_ms=int(config.handoff_retention_s * 1000),
+                        grace_ms=int(config.handoff_grace_s * 1000))
         servicer = KVStoreServicer(store)
         server = await start_grpc_server(
             common.host, common.port, [lambda s: kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, s)],

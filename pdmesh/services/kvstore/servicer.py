@@ -1,6 +1,7 @@
 """The KVStore gRPC service: pb → `store` (over the pure `core`) → pb. Domain errors become status codes
 in the interceptor (NotFound → NOT_FOUND, FailedPrecondition → FAILED_PRECONDITION, InvalidArgument →
-INVALID_ARGUMENT). Every hand-off state reached is counted in `pdmesh_kvstore_handoffs_total{state}`."""
+INVALID_ARGUMENT). Every hand-off state reached is counted in `pdmesh_kvstore_handoffs_total{state}`
+(once: a no-op move to the current state is not counted)."""
 from __future__ import annotations
 
 from prometheus_client import Counter
@@ -39,8 +40,9 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     async def UpdateHandoff(self, request: kvstore_pb2.UpdateHandoffRequest, context) -> kvstore_pb2.Handoff:
         state: HandoffState = parse_state(request.state)      # UNSPECIFIED → InvalidArgument
-        handoff = await self.store.update_handoff(request.request_id, state, request.prefill_instance)
-        return handoff_pb(_reached(handoff))
+        expected = parse_state(request.expected_state) if request.expected_state else None
+        handoff, changed = await self.store.transition(request.request_id, state, request.prefill_instance, expected)
+        return handoff_pb(_reached(handoff) if changed else handoff)
 
     async def GetHandoff(self, request: kvstore_pb2.GetHandoffRequest, context) -> kvstore_pb2.Handoff:
         return handoff_pb(await self.store.get_handoff(request.request_id))

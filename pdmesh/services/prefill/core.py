@@ -1,9 +1,11 @@
 """What a prefill rank decides without touching a socket: the first-token sampling parameters, which
 local blocks go to which remote blocks, and the bookkeeping of pushes in flight.
 
-Contract of a push: the prompt's KV lies in the first ceil(prompt_len / block_size) blocks the
-request holds (prefix-cached blocks included, in token order); they are written to the same number
-of leading target blocks, every layer, in ONE NIXL WRITE whose notification is the request id.
+Contract of a push: it is posted only once the prompt is computed AND the hand-off was claimed
+(RESERVED → TRANSFERRING in the kvstore), never otherwise. The prompt's KV lies in the first
+ceil(prompt_len / block_size) blocks the request holds (prefix-cached blocks included, in token order);
+they are written to the same number of leading target blocks, every layer, in ONE NIXL WRITE whose
+notification is the request id.
 """
 from __future__ import annotations
 
@@ -71,16 +73,20 @@ def plan_push(num_prompt_tokens: int, block_size: int, local_blocks: list[int],
 
 @dataclass(slots=True)
 class Push:
-    """One prefill whose KV goes to a peer: pending until its prompt is computed, then in flight."""
+    """One prefill whose KV goes to a peer: computing, then computed (blocks held, waiting for the
+    hand-off to be claimed), then in flight once its WRITE is posted."""
 
     request_id: str
-    target: PushTarget
-    waiter: Any                        # resolved with the result (owned by the engine loop)
+    waiter: Any                        # the current phase's future (owned by the engine loop), or None
+    target: PushTarget | None = None   # set when the WRITE is asked for
     transfer: Any = None               # the agent's transfer handle once the WRITE is posted
     step: StepOutput | None = None     # the finished prefill step (first token)
     started: float = 0.0
     num_bytes: int = 0
-    aborted: bool = False              # aborted while in flight: release the blocks once it ends
+
+    @property
+    def computed(self) -> bool:
+        return self.step is not None
 
     @property
     def in_flight(self) -> bool:

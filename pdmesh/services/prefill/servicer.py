@@ -1,31 +1,38 @@
 """The Prefill gRPC service: pb → engine loop → pb. Domain errors become status codes in the interceptor.
 
-Contract of Prefill: the target's layout must match this pool's (else FAILED_PRECONDITION); the
-hand-off goes TRANSFERRING before the prompt runs; the answer comes only once the NIXL WRITE is DONE
-and this rank's blocks are released. Any failure (or the caller going away) releases the blocks and
-marks the hand-off CANCELLED; a failed transfer is UNAVAILABLE.
+Contract of Prefill: the target's layout must match this pool's (else FAILED_PRECONDITION); the prompt
+runs first, then the hand-off is claimed by compare-and-set RESERVED → TRANSFERRING, and only then is
+the ONE NIXL WRITE posted. A failed claim (the decode reservation expired or was cancelled meanwhile)
+means no WRITE: the blocks are released and the answer is ABORTED. The answer comes only once the WRITE
+is DONE and this rank's blocks are released; a failed transfer is UNAVAILABLE. This rank moves the
+hand-off to CANCELLED only when no WRITE of its is in flight (none posted, or it ended): decode relies on
+that to free its blocks at once (see `decode.core.may_be_written`).
 """
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
 from typing import Any
 
 from pdmesh_proto.common.v1 import common_pb2
 from pdmesh_proto.decode.v1 import decode_pb2
-from pdmesh_proto.kvstore.v1 import kvstore_pb2
 from pdmesh_proto.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 
-from pdmesh.services.common.errors import FailedPrecondition, InvalidArgument, MeshError, Unavailable
+from pdmesh.engine.sampling import SamplingParams
+from pdmesh.engine.scheduler import StepOutput
+from pdmesh.services.common.errors import Aborted, FailedPrecondition, InvalidArgument, MeshError, NotFound, Unavailable
 from pdmesh.services.common.logging import get_logger
 from pdmesh.services.decode.servicer import require_id
+from pdmesh.services.kvstore.core import HandoffState
 from pdmesh.services.prefill.core import PeerSet, PushTarget, check_prompt, check_target, prefill_params
-from pdmesh.services.prefill.pusher import KVPusher, PushResult
+from pdmesh.services.prefill.pusher import KVPusher, PushResult, TransferFailed
 from pdmesh.services.worker.convert import first_token_of, sampling_from_pb, worker_status_pb
 from pdmesh.services.worker.engine_loop import EngineLoop
 from pdmesh.transfer.layout import PoolLayout
 from pdmesh.transfer.pb import layout_from_pb
 
 log = get_logger(__name__)
+S = HandoffState
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -42,8 +49,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         params = prefill_params(sampling_from_pb(request.sampling))
         check_prompt(prompt, self.engine.vocab_size, self.engine.max_model_len)
         target = await self._target(request.target, len(prompt))
-        await self._handoff(request_id, kvstore_pb2.HANDOFF_STATE_TRANSFERRING)
-        result = await self._run(request_id, prompt, params, target)
+        await self._compute_and_claim(request_id, prompt, params)
+        result = await self._push(request_id, target)
         return prefill_pb2.PrefillResponse(first_token=first_token_of(result.step),
                                            num_cached_tokens=result.step.num_cached_tokens,
                                            kv_bytes=result.kv_bytes, transfer_seconds=result.seconds)
@@ -51,18 +58,68 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def Status(self, request: decode_pb2.StatusRequest, context) -> decode_pb2.WorkerStatus:
         return worker_status_pb(self.instance_id, await self.engine.status(request.check_integrity))
 
-    async def _run(self, request_id: str, prompt: list[int], params, target: PushTarget) -> PushResult:
+    async def _compute_and_claim(self, request_id: str, prompt: list[int], params: SamplingParams) -> StepOutput:
+        """Run the prompt, then claim the hand-off; on any failure release the blocks and cancel the
+        hand-off (no WRITE was posted) before raising, so a retry under the same id cannot race it."""
+        claiming = False
         try:
-            return await self.pusher.prefill(prompt, params, request_id, target)
+            step = await self.pusher.compute(prompt, params, request_id)
+            claiming = True
+            await self._claim(request_id)
+            return step
         except BaseException as e:
-            self.engine.abort_soon(request_id)           # releases the blocks (after an in-flight WRITE)
-            task = asyncio.ensure_future(self._cancel_handoff(request_id))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-            if isinstance(e, Unavailable):                # reload the peer's metadata next time
-                self.peers.discard(target.agent_name)
-                self.kvstore.forget_agent(target.agent_name)
+            self.engine.abort_soon(request_id)
+            if isinstance(e, Aborted):              # the claim failed: the record is not ours to change
+                raise
+            # a claim whose answer was lost may have applied: TRANSFERRING is then ours, and unwritten
+            expected = (S.RESERVED, S.TRANSFERRING) if claiming else (S.RESERVED,)
+            if isinstance(e, asyncio.CancelledError):
+                self._spawn(self._cancel_handoff(request_id, expected))
+            else:
+                await self._cancel_handoff(request_id, expected)
             raise
+
+    async def _claim(self, request_id: str) -> None:
+        """RESERVED → TRANSFERRING by compare-and-set: from here on this rank, and only it, may write."""
+        try:
+            await self.kvstore.update_handoff(request_id, S.TRANSFERRING, self.instance_id, expected=S.RESERVED)
+        except (FailedPrecondition, NotFound) as e:
+            raise Aborted(f"the decode reservation of request {request_id} ended before the KV was ready "
+                          f"({e})") from None
+        except MeshError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the kvstore is unreachable
+            raise Unavailable(f"cannot claim the hand-off of {request_id} in the kvstore: {e}") from e
+
+    async def _push(self, request_id: str, target: PushTarget) -> PushResult:
+        """The WRITE, to its end (a cancelled caller leaves it running; it is never cut short)."""
+        write = self.pusher.write(request_id, target)
+        try:
+            return await asyncio.shield(write)
+        except TransferFailed:
+            await self._after_failed_write(request_id, target)
+            raise
+        except asyncio.CancelledError:
+            self._spawn(self._after_write(request_id, target, write))
+            raise
+
+    async def _after_write(self, request_id: str, target: PushTarget, write: asyncio.Future) -> None:
+        try:
+            await write
+        except TransferFailed:
+            await self._after_failed_write(request_id, target)
+        except Exception:  # noqa: BLE001 - shutting down: the hand-off stays TRANSFERRING (decode quarantines)
+            pass
+
+    async def _after_failed_write(self, request_id: str, target: PushTarget) -> None:
+        self.peers.discard(target.agent_name)                  # reload the peer's metadata next time
+        self.kvstore.forget_agent(target.agent_name)
+        await self._cancel_handoff(request_id, (S.TRANSFERRING,))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _target(self, pb: common_pb2.KVTarget, num_prompt_tokens: int) -> PushTarget:
         """The validated target, with its agent connected (metadata from the kvstore, once)."""
@@ -83,16 +140,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 self.peers.add(pb.agent_name)
         return target
 
-    async def _handoff(self, request_id: str, state: int) -> None:
-        try:
-            await self.kvstore.update_handoff(request_id, state, self.instance_id)
-        except MeshError:
-            raise                # e.g. FAILED_PRECONDITION: the reservation expired or was cancelled
-        except Exception as e:  # noqa: BLE001 - the kvstore is unreachable
-            raise Unavailable(f"cannot update the hand-off of {request_id} in the kvstore: {e}") from e
-
-    async def _cancel_handoff(self, request_id: str) -> None:
-        try:
-            await self.kvstore.update_handoff(request_id, kvstore_pb2.HANDOFF_STATE_CANCELLED, self.instance_id)
-        except Exception as e:  # noqa: BLE001 - bookkeeping only
-            log.warning("hand-off update failed", request_id=request_id, state="CANCELLED", error=str(e))
+    async def _cancel_handoff(self, request_id: str, expected: tuple[HandoffState, ...]) -> None:
+        """CANCELLED from the first of `expected` the record is in; only when no WRITE of ours is in flight."""
+        for state in expected:
+            try:
+                await self.kvstore.update_handoff(request_id, S.CANCELLED, self.instance_id, expected=state)
+                return
+            except FailedPrecondition:
+                continue
+            except Exception as e:  # noqa: BLE001 - bookkeeping only
+                log.warning("hand-off update failed", request_id=request_id, state="CANCELLED", error=str(e))
+                return

@@ -10,7 +10,8 @@ if the engine has work → deliver outputs. With no work it blocks on the comman
 
 The role (`EngineRole`) adds what differs between ranks and runs in this thread too: decode's
 `KVReceiver` (reservations, leases, admission on the KV notification), prefill's `KVPusher` (one
-NIXL WRITE per finished prompt). Blocks a WRITE reads are never released before it ends.
+NIXL WRITE per finished prompt). Blocks a WRITE reads are never released before it ends, and blocks a
+WRITE may still land in stay out of the pool (decode's quarantine) until it did or a cap passed.
 """
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ KV_TRANSFER_SECONDS = Histogram("pdmesh_kv_transfer_seconds", "Duration of one N
 KV_TRANSFER_FAILURES = Counter("pdmesh_kv_transfer_failures_total", "NIXL KV transfers that failed", _L)
 KV_RECEIVED_BYTES = Counter("pdmesh_kv_received_bytes_total", "KV bytes other agents wrote into this pool", _L)
 LEASE_EXPIRIES = Counter("pdmesh_lease_expiries_total", "Reservations whose lease ran out before the KV", _L)
+KV_QUARANTINES = Counter("pdmesh_kv_quarantines_total",
+                         "Ended reservations whose blocks stayed out of the pool while a KV write could land", _L)
 KV_BLOCKS_USED = Gauge("pdmesh_kv_blocks_used", "KV blocks held by requests", _L)
 KV_BLOCKS_FREE = Gauge("pdmesh_kv_blocks_free", "KV blocks free or evictable", _L)
 REQUESTS_RUNNING = Gauge("pdmesh_requests_running", "Requests in the running batch", _L)
@@ -52,6 +55,7 @@ class WorkerStats:
     kv_bytes_received: int = 0
     transfer_failures: int = 0
     lease_expiries: int = 0
+    kv_quarantines: int = 0
 
 
 @dataclass(frozen=True)
@@ -126,11 +130,11 @@ class EngineRole(Protocol):
         ...
 
     def abort(self, request_id: str) -> tuple[bool, bool]:
-        """Forget the request: (found, its blocks are still read by NIXL and must not be freed yet)."""
+        """Forget the request: (found, the role frees its blocks itself: NIXL may still read or write them)."""
         ...
 
     def fail_all(self, error: BaseException) -> set[str]:
-        """Fail every waiter; returns the ids whose blocks NIXL still reads."""
+        """Fail every waiter; returns the ids whose blocks NIXL may still read or write."""
         ...
 
 
@@ -293,7 +297,7 @@ class EngineLoop:
 
     def _abort(self, request_id: str) -> bool:
         found, busy = self.role.abort(request_id) if self.role is not None else (False, False)
-        if busy:                  # NIXL still reads the blocks: the role frees them when the WRITE ends
+        if busy:                  # NIXL may still use the blocks: the role frees them when that is over
             return True
         found = self.engine.abort(request_id) or found
         stream = self.streams.pop(request_id, None)

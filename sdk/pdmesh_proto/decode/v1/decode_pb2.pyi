@@ -80,7 +80,7 @@ class StatusRequest(_message.Message):
     def __init__(self, check_integrity: _Optional[bool] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("instance_id", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_free", "kv_blocks_total", "kv_bytes_sent", "kv_bytes_received", "transfer_failures", "lease_expiries", "integrity_error", "integrity_checked")
+    __slots__ = ("instance_id", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_free", "kv_blocks_total", "kv_bytes_sent", "kv_bytes_received", "transfer_failures", "lease_expiries", "integrity_error", "integrity_checked", "kv_quarantines")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class WorkerStatus(_message.Message):
     LEASE_EXPIRIES_FIELD_NUMBER: _ClassVar[int]
     INTEGRITY_ERROR_FIELD_NUMBER: _ClassVar[int]
     INTEGRITY_CHECKED_FIELD_NUMBER: _ClassVar[int]
+    KV_QUARANTINES_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     num_running: int
     num_waiting: int
@@ -105,4 +106,5 @@ class WorkerStatus(_message.Message):
     lease_expiries: int
     integrity_error: str
     integrity_checked: bool
-    def __init__(self, instance_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., integrity_error: _Optional[str] = ..., integrity_checked: _Optional[bool] = ...) -> None: ...
+    kv_quarantines: int
+    def __init__(self, instance_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., integrity_error: _Optional[str] = ..., integrity_checked: _Optional[bool] = ..., kv_quarantines: _Optional[int] = ...) -> None: ...

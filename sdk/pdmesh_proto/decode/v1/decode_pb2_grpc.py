@@ -68,7 +68,8 @@ class DecodeServicer:
 
     def Reserve(self, request, context):
         """Reserve KV blocks for a prompt whose KV a prefill instance will write. The reservation is a
-        lease: if no KV arrives within lease_ms the blocks go back to the pool.
+        lease: if no KV arrives within lease_ms the blocks go back to the pool (quarantined first if the
+        hand-off says a write may still be in flight). UNAVAILABLE while the id is quarantined here.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -90,7 +91,9 @@ class DecodeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Cancel(self, request, context):
-        """Abort a request in any state and free its blocks.
+        """Abort a request in any state and free its blocks; a reservation whose KV write may be in flight
+        (hand-off TRANSFERRING) keeps them quarantined until the write lands or a cap passes. Answers once
+        the hand-off is ended (CANCELLED) and that is decided.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

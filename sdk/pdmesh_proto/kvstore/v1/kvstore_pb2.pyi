@@ -73,14 +73,16 @@ class OpenHandoffRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., decode_instance: _Optional[str] = ..., num_blocks: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class UpdateHandoffRequest(_message.Message):
-    __slots__ = ("request_id", "state", "prefill_instance")
+    __slots__ = ("request_id", "state", "prefill_instance", "expected_state")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_STATE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     state: HandoffState
     prefill_instance: str
-    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[HandoffState, str]] = ..., prefill_instance: _Optional[str] = ...) -> None: ...
+    expected_state: HandoffState
+    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[HandoffState, str]] = ..., prefill_instance: _Optional[str] = ..., expected_state: _Optional[_Union[HandoffState, str]] = ...) -> None: ...
 
 class GetHandoffRequest(_message.Message):
     __slots__ = ("request_id",)

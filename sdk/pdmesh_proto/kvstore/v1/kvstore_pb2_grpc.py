@@ -81,14 +81,17 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def OpenHandoff(self, request, context):
-        """Record a new hand-off (state RESERVED) with a lease.
+        """Record a new hand-off (state RESERVED) with a lease; replaces a record kept after a final state
+        (CONSUMED, EXPIRED, CANCELLED: a retry under the same id), FAILED_PRECONDITION for a live one.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def UpdateHandoff(self, request, context):
-        """Move a hand-off to a new state; fails with FAILED_PRECONDITION on an illegal transition.
+        """Move a hand-off to a new state; fails with FAILED_PRECONDITION on an illegal transition or, with
+        expected_state set, when the current state is another one (compare-and-set). Moving to the state
+        it is already in (without expected_state) changes nothing and returns the record.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
