@@ -339,6 +339,8 @@ def test_lease_expiry_returns_the_blocks(mesh: Mesh) -> None:
     reserve(mesh, "lease", PROMPTS[3], lease_ms=200)
     assert status(mesh.decode).kv_blocks_used == math.ceil(len(PROMPTS[3]) / BLOCK_SIZE)
     wait_for(lambda: status(mesh.decode).lease_expiries == before + 1, what="the lease to expire")
+    # The blocks go back once the kvstore confirms no write can start (compare-and-set to EXPIRED).
+    wait_for(lambda: status(mesh.decode).kv_blocks_used == 0, what="the blocks to come back")
     after = status(mesh.decode)
     assert after.kv_blocks_used == 0 and after.integrity_error == ""
     mesh.wait_handoff("lease", "EXPIRED", "GONE")

@@ -143,14 +143,13 @@ def _listening_addresses() -> set[str]:
 def test_agent_listens_on_loopback_only():
     from pdmesh.transfer.agent import KVTransferAgent
 
-    before = _listening_addresses()
     agent = KVTransferAgent("test-loopback", torch.zeros(SHAPE), progress_thread=False)
     try:
-        new = _listening_addresses() - before
+        listening = _listening_addresses()     # UCX may share one listener among a process's agents
     finally:
         agent.close()
     loopback = {"0100007F", "00000000000000000000000001000000"}        # 127.0.0.1, ::1
-    assert new and new <= loopback, new
+    assert listening and listening <= loopback, listening
 
 
 def test_kvxfer_quick_bench_reports_positive_figures(tmp_path):
