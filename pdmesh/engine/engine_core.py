@@ -7,20 +7,28 @@ from pathlib import Path
 from pdmesh.engine.config import EngineConfig, ModelConfig
 from pdmesh.engine.kv_cache import KVCacheManager, KVCacheStats
 from pdmesh.engine.model_runner import ModelRunner
+from pdmesh.engine.parallel.dep import DEPContext, LockstepStepper
 from pdmesh.engine.request import Request, RequestStatus
 from pdmesh.engine.sampling import SamplingParams
 from pdmesh.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
 
 
 class EngineCore:
-    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None,
+                 dep: DEPContext | None = None) -> None:
+        """`dep`: this engine is one rank of a DEP instance (see pdmesh.engine.parallel.dep); step() is collective."""
         self.config = config or EngineConfig()
         self.model_config = ModelConfig.from_dir(model_dir)
-        self.runner = ModelRunner(model_dir, self.model_config, self.config)
+        self.runner = ModelRunner(model_dir, self.model_config, self.config,
+                                  model_kwargs=dep.model_kwargs(self.model_config) if dep else None)
         layout = self.runner.kv_layout
-        self.kv = KVCacheManager(layout.num_blocks, layout.block_size, self.config.enable_prefix_caching)
+        num_blocks = layout.num_blocks - (1 if dep else 0)     # DEP: the last block is the dummy forward's scratch
+        self.kv = KVCacheManager(num_blocks, layout.block_size, self.config.enable_prefix_caching)
         self.max_model_len = min(self.config.max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.max_position_embeddings, layout.num_blocks * layout.block_size)
+                                 self.model_config.max_position_embeddings, num_blocks * layout.block_size)
+        self.lockstep: LockstepStepper | None = None
+        if dep is not None:
+            self.lockstep = LockstepStepper(dep.dp_sync, self.runner, scratch_block=num_blocks)
         self.scheduler = Scheduler(SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                                    self.max_model_len), self.kv)
         self._ids = itertools.count()
@@ -63,7 +71,11 @@ class EngineCore:
 
     def step(self) -> list[StepOutput]:
         output = self.scheduler.schedule()
-        sampled = self.runner.execute(output, self.scheduler.requests)
+        if self.lockstep is not None:       # DEP: DP sync, then the batch, a dummy forward or nothing
+            pending = self.scheduler.num_running + len(self.scheduler.waiting)
+            sampled = self.lockstep.execute(output, self.scheduler.requests, pending)
+        else:
+            sampled = self.runner.execute(output, self.scheduler.requests)
         return self.scheduler.update_from_output(output, sampled)
 
     def abort(self, request_id: str) -> bool:

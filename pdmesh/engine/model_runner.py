@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -16,7 +17,7 @@ from pdmesh.engine.config import EngineConfig, ModelConfig
 from pdmesh.engine.forward_batch import ForwardBatch
 from pdmesh.engine.kv_cache import allocate_kv_memory
 from pdmesh.engine.model.deepseek_v3 import DeepseekV3ForCausalLM
-from pdmesh.engine.model.moe import ExpertLoadRecorder
+from pdmesh.engine.model.moe import ExpertLoadRecorder, MoE
 from pdmesh.engine.request import Request
 from pdmesh.engine.sampler import Sampler
 from pdmesh.engine.scheduler import SampledToken, SchedulerOutput
@@ -67,8 +68,10 @@ def plan_kv_layout(model_config: ModelConfig, config: EngineConfig, dtype: torch
 
 class ModelRunner:
     def __init__(self, model_dir: str | Path, model_config: ModelConfig, config: EngineConfig,
-                 model: DeepseekV3ForCausalLM | None = None) -> None:
+                 model: DeepseekV3ForCausalLM | None = None, model_kwargs: dict[str, Any] | None = None) -> None:
+        """`model_kwargs` go to `DeepseekV3ForCausalLM` (DEP: placements, this rank's slots, the dispatcher)."""
         self.config, self.model_config = config, model_config
+        self.model_kwargs = model_kwargs or {}
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
@@ -85,10 +88,19 @@ class ModelRunner:
         for layer in moe:
             layer.recorder = self.expert_load
 
+    def expert_weight_bytes(self) -> int:
+        """Bytes of the routed experts' weights held here (w13 + w2 of every MoE layer, MTP included)."""
+        return sum(m.w13.nbytes + m.w2.nbytes for m in self.model.modules() if isinstance(m, MoE))
+
+    def dispatch_stats(self) -> Any:
+        """The MoE dispatcher's per-phase timings (DEP: a `DispatchStats`), None for in-process experts."""
+        moe = self.model.moe_layers
+        return getattr(moe[0].dispatcher, "stats", None) if moe else None
+
     def _load_model(self, model_dir: Path) -> DeepseekV3ForCausalLM:
         start = time.perf_counter()
         with torch.device("meta"):
-            model = DeepseekV3ForCausalLM(self.model_config)
+            model = DeepseekV3ForCausalLM(self.model_config, **self.model_kwargs)
         model = model.to_empty(device=self.device).to(self.dtype)
         for layer in model.moe_layers:                # routing stays in fp32, as the reference keeps it
             layer.gate.float()

@@ -1,0 +1,218 @@
+"""DEP: data-parallel attention + expert parallelism, one rank process per attention replica.
+
+Each rank owns its requests (its own scheduler and KV pool), a full copy of attention, dense layers and
+shared experts, and a contiguous 1/n share of the routed experts' physical slots. The ranks meet inside
+every MoE layer (the `AllToAllDispatcher`), so they must run the same number of forward passes:
+
+    EngineCore.step() on every rank, in lockstep:
+      schedule locally -> DP sync: all_reduce([has_work, num_tokens, num_unfinished]) int64 [3]
+        -> no rank has work:        return {} without a forward (the caller idles)
+        -> this rank has no work:   DUMMY forward (1 token into the reserved scratch block)
+        -> else:                    the real batch
+
+Setup: `init_dep(DEPConfig(...))` -> `DEPContext`; `EngineCore(model_dir, config, dep=context)` builds the
+model with this rank's slots and the dispatcher, reserves the scratch block and drives `LockstepStepper`.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from pdmesh.engine.config import ModelConfig
+from pdmesh.engine.forward_batch import ForwardBatch
+from pdmesh.engine.model.moe import ExpertDispatcher, ExpertPlacement
+from pdmesh.engine.parallel.allreduce import DP_SYNC_IMPLS, DPSync, make_dp_sync
+from pdmesh.engine.parallel.dispatch import DISPATCHERS, DispatchStats, make_dispatcher
+
+if TYPE_CHECKING:
+    from pdmesh.engine.engine_core import EngineCore
+    from pdmesh.engine.model_runner import ModelRunner
+    from pdmesh.engine.request import Request
+    from pdmesh.engine.scheduler import SampledToken, SchedulerOutput, StepOutput
+
+
+@dataclass(frozen=True)
+class DEPConfig:
+    """One rank of a DEP instance. `size` ranks meet at tcp://master_addr:master_port (loopback by default)."""
+
+    rank: int
+    size: int
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    backend: str = "gloo"
+    dp_sync: str = "recursive_doubling"      # see pdmesh.engine.parallel.allreduce.DP_SYNC_IMPLS
+    dispatcher: str = "all_to_all"           # see pdmesh.engine.parallel.dispatch.DISPATCHERS
+    num_redundant_experts: int = 0           # extra physical slots per MoE layer (replicas)
+    timeout_s: float = 600.0                 # a collective waiting longer raises instead of hanging
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"DEP needs 0 <= rank < size, got rank {self.rank}, size {self.size}")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be in 1..65535, got {self.master_port}")
+        if self.num_redundant_experts < 0:
+            raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
+        if self.dp_sync not in DP_SYNC_IMPLS:
+            raise ValueError(f"unknown dp_sync {self.dp_sync!r}; choose from {sorted(DP_SYNC_IMPLS)}")
+        if self.dispatcher not in DISPATCHERS:
+            raise ValueError(f"unknown dispatcher {self.dispatcher!r}; choose from {sorted(DISPATCHERS)}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+
+
+def slots_of_rank(num_experts: int, num_redundant: int, size: int, rank: int) -> range:
+    """This rank's contiguous share of the P = num_experts + num_redundant physical slots."""
+    num_physical = num_experts + num_redundant
+    if num_physical % size:
+        raise ValueError(f"{num_experts} routed experts + {num_redundant} redundant slots = {num_physical} "
+                         f"physical slots do not split evenly across {size} DEP ranks; choose "
+                         f"num_redundant_experts so that the sum is a multiple of {size}")
+    per_rank = num_physical // size
+    return range(rank * per_rank, (rank + 1) * per_rank)
+
+
+@dataclass
+class DEPContext:
+    """What a DEP rank holds after `init_dep`: its config, the process groups and the DP sync."""
+
+    config: DEPConfig
+    dispatch_group: dist.ProcessGroup | None    # the MoE all-to-alls (its own group: a GPU backend can differ)
+    dp_sync: DPSync                             # the per-step all-reduce, on the world group
+    dispatcher: ExpertDispatcher = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.dispatcher = make_dispatcher(self.config.dispatcher, self.dispatch_group)
+
+    @property
+    def dispatch_stats(self) -> DispatchStats | None:
+        return getattr(self.dispatcher, "stats", None)
+
+    def model_kwargs(self, model_config: ModelConfig) -> dict[str, Any]:
+        """Keyword arguments of `DeepseekV3ForCausalLM`: the initial placement, this rank's slots, the dispatcher."""
+        num_moe = len(model_config.moe_layer_ids)
+        experts, redundant = model_config.n_routed_experts, self.config.num_redundant_experts
+        slots = slots_of_rank(experts, redundant, self.config.size, self.config.rank) if num_moe else range(0)
+        placement = ExpertPlacement.initial(experts, redundant) if num_moe else None
+        return dict(placements=[placement] * num_moe, local_slots=[slots] * num_moe, dispatcher=self.dispatcher)
+
+
+def init_dep(config: DEPConfig) -> DEPContext:
+    """Join the DEP process group (all ranks call it), create the dispatch group and the DP sync."""
+    if not dist.is_initialized():
+        dist.init_process_group(config.backend, init_method=f"tcp://{config.master_addr}:{config.master_port}",
+                                rank=config.rank, world_size=config.size,
+                                timeout=timedelta(seconds=config.timeout_s))
+    elif (dist.get_rank(), dist.get_world_size()) != (config.rank, config.size):
+        raise ValueError(f"torch.distributed is already initialised as rank {dist.get_rank()} of "
+                         f"{dist.get_world_size()}, not rank {config.rank} of {config.size}")
+    dispatch_group = dist.new_group(backend=config.backend)
+    return DEPContext(config, dispatch_group, make_dp_sync(config.dp_sync))
+
+
+def shutdown_dep() -> None:
+    """Leave the process group (every rank calls it once its last step is done)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@torch.inference_mode()
+def dummy_forward(runner: ModelRunner, scratch_block: int) -> None:
+    """One token at position 0 into `scratch_block`: joins the MoE collectives, records no expert load."""
+    batch = ForwardBatch.build([[0]], [0], [[scratch_block]], runner.config.block_size, [False], runner.device)
+    moe = runner.model.moe_layers
+    recorders = [layer.recorder for layer in moe]
+    for layer in moe:
+        layer.recorder = None          # the dummy token is not load: EPLB must not see it
+    try:
+        runner.model(batch, runner.kv_caches)
+    finally:
+        for layer, recorder in zip(moe, recorders):
+            layer.recorder = recorder
+    if runner.expert_load is not None:
+        runner.expert_load.end_step()  # an empty row keeps every rank's ring aligned by global step
+
+
+@dataclass(frozen=True, slots=True)
+class LockstepRecord:
+    """One `step()` of a DEP rank: the DP sync's sums over ranks, and what this rank ran."""
+
+    ranks_with_work: int
+    num_tokens: int            # scheduled tokens, all ranks
+    num_unfinished: int        # requests still running or waiting, all ranks (before this step's outputs)
+    local_tokens: int          # this rank's scheduled tokens (0 for a dummy or idle step)
+    ran_forward: bool
+    dummy: bool
+
+
+@dataclass
+class LockstepCounters:
+    steps: int = 0
+    forwards: int = 0
+    dummies: int = 0
+    idle: int = 0
+    sync_s: float = 0.0        # time in the DP sync (includes waiting for slower ranks)
+
+
+class LockstepStepper:
+    """The DEP step after scheduling: DP sync, then the real batch, a dummy forward, or nothing."""
+
+    def __init__(self, dp_sync: DPSync, runner: ModelRunner, scratch_block: int) -> None:
+        self.dp_sync, self.runner, self.scratch_block = dp_sync, runner, scratch_block
+        self.counters = LockstepCounters()
+        self.last: LockstepRecord | None = None
+
+    def execute(self, output: SchedulerOutput, requests: dict[str, Request],
+                num_unfinished: int) -> dict[str, SampledToken]:
+        """Every rank calls this once per step, whatever it scheduled (collective)."""
+        start = time.perf_counter()
+        local = torch.tensor([int(not output.is_empty), output.num_tokens, num_unfinished], dtype=torch.int64)
+        self.dp_sync.all_reduce(local)
+        ranks_with_work, num_tokens, unfinished = local.tolist()
+        counters = self.counters
+        counters.sync_s += time.perf_counter() - start
+        counters.steps += 1
+        ran, dummy = ranks_with_work > 0, ranks_with_work > 0 and output.is_empty
+        self.last = LockstepRecord(ranks_with_work, num_tokens, unfinished, output.num_tokens, ran, dummy)
+        if not ran:
+            counters.idle += 1
+            return {}
+        counters.forwards += 1
+        if dummy:
+            counters.dummies += 1
+            dummy_forward(self.runner, self.scratch_block)
+            return {}
+        return self.runner.execute(output, requests)
+
+    @property
+    def all_done(self) -> bool:
+        """The last step found no rank with work or requests: every rank agrees (same sums)."""
+        return self.last is not None and self.last.ranks_with_work == 0 and self.last.num_unfinished == 0
+
+
+def run_lockstep(engine: EngineCore, before_step: Callable[[int], None] | None = None,
+                 after_step: Callable[[int, LockstepRecord], None] | None = None,
+                 max_steps: int = 1_000_000) -> list[StepOutput]:
+    """Offline driver: step until no rank has requests left. Every rank calls it (same `max_steps`).
+
+    `before_step(index)` runs at each step boundary (add requests, swap placements: the same on all ranks
+    where it matters), `after_step(index, record)` after each step. Returns this rank's step outputs.
+    """
+    if engine.lockstep is None:
+        raise ValueError("run_lockstep needs an EngineCore built with dep=DEPContext")
+    outputs: list[StepOutput] = []
+    for index in range(max_steps):
+        if before_step is not None:
+            before_step(index)
+        outputs.extend(engine.step())
+        record = engine.lockstep.last
+        if after_step is not None:
+            after_step(index, record)
+        if engine.lockstep.all_done:
+            return outputs
+    raise RuntimeError(f"DEP ranks still had work after {max_steps} steps")
