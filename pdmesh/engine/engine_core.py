@@ -67,7 +67,7 @@ class EngineCore:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         params.validate_for_vocab(vocab)
         return Request(request_id or f"req-{next(self._ids)}", list(prompt_token_ids), params,
-                       eos_token_ids=self.model_config.eos_token_ids)
+                       eos_token_ids=self.model_config.eos_token_ids, device=str(self.runner.device))
 
     def step(self) -> list[StepOutput]:
         output = self.scheduler.schedule()

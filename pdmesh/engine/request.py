@@ -48,13 +48,14 @@ class Request:
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None
     hold_blocks: bool = False         # keep the KV blocks after finishing until released (prefill push)
+    device: str = "cpu"               # where the seeded generator lives (the sampler draws there)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("the prompt is empty")
         self.all_token_ids = list(self.prompt_token_ids)
         if self.sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+            self.generator = torch.Generator(device=self.device).manual_seed(self.sampling_params.seed)
 
     @property
     def num_tokens(self) -> int:
