@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCHMARKS = ("engine", "forward", "serve", "kvxfer", "allreduce")
+BENCHMARKS = ("engine", "forward", "serve", "kvxfer", "allreduce", "decode")
 
 
 def register(commands: argparse._SubParsersAction) -> None:
