@@ -29,6 +29,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32 == self.weight.dtype:   # one fused op, the same fp32 arithmetic
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
@@ -95,28 +97,34 @@ class RotaryEmbedding(nn.Module):
         self.materialize(config)
 
     def materialize(self, config: ModelConfig) -> None:
-        """(Re)compute the cos/sin tables [P, R/2] in fp32 on the buffers' device."""
+        """(Re)compute the tables [P, 1, R] in fp32 on the buffers' device: cos holds each pair's cos
+        twice (cos, cos), sin holds (-sin, sin), so one multiply-add rotates the whole head."""
         device = self.cos.device if self.cos.device.type != "meta" else torch.device("cpu")
         with torch.device("cpu"):
             inv_freq, scaling = rope_inv_freq(config)
             positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
             freqs = positions[:, None] * inv_freq[None, :]
-        self.cos = (freqs.cos() * scaling).to(device)
-        self.sin = (freqs.sin() * scaling).to(device)
+            cos, sin = freqs.cos() * scaling, freqs.sin() * scaling                # [P, R/2]
+        self.cos = torch.cat((cos, cos), dim=-1)[:, None].to(device)
+        self.sin = torch.cat((-sin, sin), dim=-1)[:, None].to(device)
 
     def forward(self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(q_pe.dtype)                          # [T, R/2]
-        sin = self.sin[positions].to(q_pe.dtype)
-        return self._rotate(q_pe, cos[:, None], sin[:, None]), self._rotate(k_pe, cos, sin)
+        """q_pe [T, H, R], k_pe [T, R] -> rotated (q_pe, k_pe), both in one pass.
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        (x1, x2) * (cos, cos) + (x2, x1) * (-sin, sin) = (x1 cos - x2 sin, x2 cos + x1 sin), bit for bit.
+        """
+        x = torch.cat((q_pe, k_pe[:, None]), dim=1)                                  # [T, H + 1, R]
         if self.interleave:
             x1, x2 = x[..., 0::2], x[..., 1::2]
+            y = torch.cat((x1, x2), dim=-1)
         else:
-            half = x.shape[-1] // 2
-            x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+            x1, x2 = x.chunk(2, dim=-1)
+            y = x
+        cos = self.cos[positions].to(x.dtype)                                        # [T, 1, R]
+        sin = self.sin[positions].to(x.dtype)
+        out = y * cos + torch.cat((x2, x1), dim=-1) * sin
+        return out[:, :-1], out[:, -1]
 
 
 class DenseMLP(nn.Module):
@@ -172,8 +180,10 @@ class MLAttention(nn.Module):
         flat_cache = kv_cache.view(-1, kv_cache.shape[-1])
         flat_cache[batch.slot_mapping] = torch.cat((self.kv_a_layernorm(latent), k_pe), dim=-1).to(kv_cache.dtype)
 
-        out = x.new_empty(num_tokens, self.num_heads, self.v_dim)
         nd = batch.num_decodes
+        if nd == num_tokens:                  # decodes only: no output buffer to fill
+            return self.o_proj(self._decode(q_nope, q_pe, kv_cache, batch).reshape(num_tokens, -1))
+        out = x.new_empty(num_tokens, self.num_heads, self.v_dim)
         if nd:
             out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], kv_cache, batch)
         for b in range(nd, batch.num_seqs):
@@ -199,10 +209,18 @@ class MLAttention(nn.Module):
         kv = self.kv_b_proj(ctx[:, :self.kv_lora_rank]).view(seq_len, self.num_heads, -1)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)                    # [S, H, N], [S, H, V]
         k_pe = ctx[:, None, self.kv_lora_rank:].expand(-1, self.num_heads, -1)
-        q = torch.cat((q_nope, q_pe), dim=-1).transpose(0, 1)                       # [H, Q, N+R]
-        k = torch.cat((k_nope, k_pe), dim=-1).transpose(0, 1)                       # [H, S, N+R]
-        num_queries = q.shape[1]
-        # Query i sits at position seq_len - num_queries + i and sees keys up to it.
-        mask = torch.ones(num_queries, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - num_queries)
-        out = F.scaled_dot_product_attention(q, k, v.transpose(0, 1), attn_mask=mask, scale=self.scale)
-        return out.transpose(0, 1)                                                   # [Q, H, V]
+        q = torch.cat((q_nope, q_pe), dim=-1).transpose(0, 1)[None]                 # [1, H, Q, N+R]
+        k = torch.cat((k_nope, k_pe), dim=-1).transpose(0, 1)[None]                 # [1, H, S, N+R]
+        v = v.transpose(0, 1)[None]                                                  # [1, H, S, V]
+        # SDPA's fused (flash) kernels need 4-d inputs and one head dim for q, k and v: zero-pad the
+        # narrower side (zeros change neither the scores, the scale being explicit, nor the values).
+        width = max(self.nope_dim + self.rope_dim, self.v_dim)
+        q, k = (F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t for t in (q, k))
+        v = F.pad(v, (0, width - self.v_dim)) if self.v_dim < width else v
+        num_queries = q.shape[2]
+        if num_queries == seq_len:               # the whole sequence: plain causal attention
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        else:                                    # query i sits at position seq_len - num_queries + i
+            mask = torch.ones(num_queries, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - num_queries)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        return out[0, :, :, :self.v_dim].transpose(0, 1)                            # [Q, H, V]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -62,8 +63,15 @@ class ExpertPlacement:
     def num_physical(self) -> int:
         return int(self.physical_to_logical.shape[0])
 
+    @cached_property
+    def is_identity(self) -> bool:
+        """Slot i holds expert i and nothing is replicated: slots are the logical ids."""
+        return bool(torch.equal(self.physical_to_logical.cpu(), torch.arange(self.replicas.shape[0])))
+
     def choose_slots(self, expert_ids: torch.Tensor) -> torch.Tensor:
         """Map logical ids [T, K] to slots [T, K]; the replica is chosen by token index (deterministic)."""
+        if self.is_identity:
+            return expert_ids
         token_index = torch.arange(expert_ids.shape[0], device=expert_ids.device)[:, None]
         replica = token_index % self.replica_counts[expert_ids]
         return self.replicas[expert_ids, replica]
