@@ -20,6 +20,17 @@ import pytest
 
 os.environ["TRITON_INTERPRET"] = "1"
 
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """Test models are far too small for intra-op threads; on a busy 2-core machine they cost ~10x."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 _COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                max_position_embeddings=512, initializer_range=0.15, bos_token_id=0, eos_token_id=1)
 

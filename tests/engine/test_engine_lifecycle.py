@@ -5,11 +5,9 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from pdmesh.cli.main import main as cli_main
 from pdmesh.engine import LLM, EngineConfig, EngineCore, SamplingParams
@@ -19,15 +17,6 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 LLM_CONFIG = dict(num_blocks=256, block_size=16)          # the CLI runs with the same flags
 CLI_ENGINE_FLAGS = ["--num-blocks", "256", "--block-size", "16"]
 PROMPTS = ["Hello world", "The sky is", "def f(x):", "Return the number of", "é ü ñ 日本", "a"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """The tiny model's ops are far too small for intra-op threads; on a busy 2-core box they cost 10x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -38,14 +38,6 @@ S = HandoffState
 LONG_PROMPT = [(i * 13) % 1000 + 2 for i in range(NUM_BLOCKS * BLOCK_SIZE - 8)]     # ~24 chunked steps
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _capturing_decode(captured: dict[str, Any]) -> types.SimpleNamespace:
     """The decode server module, but `serve` keeps the rank's parts (engine loop, agent) in `captured`."""
     from pdmesh.services.decode import server

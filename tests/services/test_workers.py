@@ -22,7 +22,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
 from pdmesh_proto.common.v1 import common_pb2
 from pdmesh_proto.decode.v1 import decode_pb2, decode_pb2_grpc
 from pdmesh_proto.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
@@ -43,15 +42,6 @@ GREEDY = common_pb2.SamplingParams(max_tokens=8, temperature=0.0)
 PROMPTS = [[(i * 37 + 11 * n) % 1000 + 2 for i in range(n)] for n in (5, 8, 29, 70)]
 REPO = Path(__file__).resolve().parents[2]
 RPC_TIMEOUT_S = 60.0
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """The tiny model's ops are far too small for intra-op threads; on a busy box they cost 10x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class ServiceHost:

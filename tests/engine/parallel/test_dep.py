@@ -9,7 +9,7 @@ Children compute and `torch.save` what they saw into a temporary directory; the 
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -153,14 +153,6 @@ def _load_check(engine: EngineCore, records: list) -> dict:
 
 
 # ----- tests -----
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_model(tmp_path_factory.mktemp("dep") / "tiny", preset="tiny", seed=0, verbose=False)
