@@ -1,9 +1,11 @@
 """The local launcher behind `pdmesh up`: plan the mesh's processes, start them, watch them, stop them.
 
 plan_mesh(MeshOptions) → [ServiceSpec] (pure: names, ports, argv) → Mesh.start(): Redis (embedded
-unless a URL is given) → kvstore → prefill and decode ranks → gateway, each waited for through the
-standard gRPC health service → Mesh.stop(): SIGTERM in reverse order, SIGKILL after a grace period.
-Children also get SIGTERM if the launcher dies (PR_SET_PDEATHSIG), so no process is orphaned.
+unless a URL is given) → kvstore → prefill and decode instances → gateway, each waited for through the
+standard gRPC health service (every rank of a DEP instance) → Mesh.stop(): SIGTERM in reverse order,
+SIGKILL after a grace period. Children also get SIGTERM if the launcher dies (PR_SET_PDEATHSIG), so no
+process is orphaned. A DEP instance (`--prefill-dep`/`--decode-dep` N > 1) is one `pdmesh serve ROLE --dep N`
+process that runs its N ranks on N consecutive ports (`ServiceSpec.addresses`).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdmesh.services.common.redis_server import EmbeddedRedis, free_port
+from pdmesh.services.common.redis_server import EmbeddedRedis, free_port, free_port_block
 
 ROLE_ORDER = ("kvstore", "prefill", "decode", "gateway")
 
@@ -35,6 +37,10 @@ class MeshOptions:
     log_dir: Path = Path("pdmesh-logs")
     worker_args: tuple[str, ...] = ()      # engine options passed to prefill and decode ranks
     log_level: str = "INFO"
+    prefill_dep: int = 1                   # ranks per prefill instance (DEP)
+    decode_dep: int = 1                    # ranks per decode instance (DEP)
+    num_redundant_experts: int = 0         # extra expert slots per MoE layer of DEP instances
+    dp_sync: str | None = None             # DEP instances' per-step all-reduce (None: the default)
 
     def __post_init__(self) -> None:
         if self.mode not in ("disagg", "agg"):
@@ -43,6 +49,19 @@ class MeshOptions:
             raise ValueError(f"--decode must be >= 1, got {self.num_decode}")
         if self.num_prefill < 0 or (self.mode == "disagg" and self.num_prefill < 1):
             raise ValueError(f"--prefill must be >= 1 in disagg mode (>= 0 in agg), got {self.num_prefill}")
+        if self.prefill_dep < 1 or self.decode_dep < 1:
+            raise ValueError(f"--prefill-dep and --decode-dep must be >= 1, got {self.prefill_dep}, {self.decode_dep}")
+        if self.num_redundant_experts and max(self.prefill_dep, self.decode_dep) == 1:
+            raise ValueError("--num-redundant-experts needs --prefill-dep or --decode-dep > 1")
+
+    def dep(self, role: str) -> int:
+        return {"prefill": self.prefill_dep, "decode": self.decode_dep}.get(role, 1)
+
+    @property
+    def num_worker_processes(self) -> int:
+        """Engine processes (ranks) of the mesh's prefill and decode instances."""
+        prefill = self.num_prefill if self.mode == "disagg" else 0
+        return prefill * self.prefill_dep + self.num_decode * self.decode_dep
 
 
 @dataclass(frozen=True)
@@ -52,9 +71,15 @@ class ServiceSpec:
     grpc_address: str
     argv: tuple[str, ...]
     metrics_port: int | None = None
+    rank_addresses: tuple[str, ...] = ()   # a DEP instance: every rank's gRPC address (rank 0's is grpc_address)
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """The gRPC endpoints of this service: one per rank."""
+        return self.rank_addresses or (self.grpc_address,)
 
 
-def plan_mesh(options: MeshOptions, redis_url: str, port_of=free_port) -> list[ServiceSpec]:
+def plan_mesh(options: MeshOptions, redis_url: str, port_of=free_port, block_of=free_port_block) -> list[ServiceSpec]:
     """The processes of a mesh, in start order (pure apart from picking free ports)."""
     host = options.host
     base = (sys.executable, "-m", "pdmesh.cli.main", "serve")
@@ -71,15 +96,26 @@ def plan_mesh(options: MeshOptions, redis_url: str, port_of=free_port) -> list[S
                              kv_metrics))
     num_prefill = options.num_prefill if options.mode == "disagg" else 0
     for role, count in (("prefill", num_prefill), ("decode", options.num_decode)):
+        size = options.dep(role)
         for index in range(count):
-            name, port, metrics = f"{role}-{index}", port_of(host), port_of(host)
+            name = f"{role}-{index}"
+            port, metrics = (port_of(host), port_of(host)) if size == 1 else \
+                (block_of(host, size), block_of(host, size))
             argv = common(role, name, port, metrics) + ("--model", str(options.model_dir), "--kvstore", kvstore,
-                                                        *options.worker_args)
-            specs.append(ServiceSpec(name, role, f"{host}:{port}", argv, metrics))
+                                                        *options.worker_args, *_dep_argv(options, size))
+            ranks = tuple(f"{host}:{port + r}" for r in range(size)) if size > 1 else ()
+            specs.append(ServiceSpec(name, role, f"{host}:{port}", argv, metrics, ranks))
     gateway_argv = common("gateway", "gateway-0", options.grpc_port, None) + (
         "--model", str(options.model_dir), "--http-port", str(options.http_port), "--mode", options.mode)
     specs.append(ServiceSpec("gateway-0", "gateway", f"{host}:{options.grpc_port}", gateway_argv))
     return specs
+
+
+def _dep_argv(options: MeshOptions, size: int) -> tuple[str, ...]:
+    if size == 1:
+        return ()
+    argv = ("--dep", str(size), "--num-redundant-experts", str(options.num_redundant_experts))
+    return argv + (("--dp-sync", options.dp_sync) if options.dp_sync else ())
 
 
 def _die_with_parent() -> None:
@@ -115,8 +151,10 @@ class Mesh:
                 for spec in started:
                     self._spawn(spec)
                 for spec in started:
-                    self._wait_serving(spec, deadline)
-                    progress(f"{spec.role:<9} {spec.name} ready on {spec.grpc_address}")
+                    for rank, address in enumerate(spec.addresses):
+                        self._wait_serving(spec, address, deadline)
+                        name = f"{spec.name}-r{rank}" if spec.rank_addresses else spec.name
+                        progress(f"{spec.role:<9} {name} ready on {address}")
         except BaseException:
             self.stop()
             raise
@@ -128,11 +166,12 @@ class Mesh:
                                                      stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         log.close()
 
-    def _wait_serving(self, spec: ServiceSpec, deadline: float) -> None:
+    def _wait_serving(self, spec: ServiceSpec, address: str, deadline: float) -> None:
+        """Until `address` (one of the service's ranks) reports SERVING; raises if the process exits."""
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        with grpc.insecure_channel(spec.grpc_address) as channel:
+        with grpc.insecure_channel(address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while True:
                 process = self.processes[spec.name]
@@ -140,7 +179,8 @@ class Mesh:
                     raise RuntimeError(f"{spec.name} exited with code {process.returncode}; "
                                        f"last log lines:\n{self.log_tail(spec.name)}")
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{spec.name} was not ready in time; last log lines:\n{self.log_tail(spec.name)}")
+                    raise TimeoutError(f"{spec.name} ({address}) was not ready in time; last log lines:\n"
+                                       f"{self.log_tail(spec.name)}")
                 try:
                     reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
                     if reply.status == health_pb2.HealthCheckResponse.SERVING:

@@ -31,9 +31,15 @@ def role_parser(role: str) -> tuple[argparse.ArgumentParser, object]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Serve the role; with `--dep N` (prefill, decode) supervise the instance's N rank processes."""
     from pdmesh.services.common.options import run_service
 
     parser, module = role_parser(args.role)
     options = parser.parse_args(args.options)
     config = module.config_from_args(options)
+    dep = getattr(config, "dep", None)
+    if dep is not None and dep.is_supervisor:
+        from pdmesh.services.worker.dep_instance import run_instance
+
+        return run_instance(args.role, list(args.options), config.common, config.model_dir, dep)
     return run_service(args.role, config.common, lambda: module.serve(config))

@@ -7,6 +7,7 @@ import signal
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from pdmesh.cli.options import add_engine_options, engine_argv, resolve_model
@@ -16,6 +17,14 @@ def register(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("up", help="start a local mesh and serve until Ctrl-C")
     p.add_argument("--prefill", type=int, default=1, help="prefill instances (disagg mode)")
     p.add_argument("--decode", type=int, default=1, help="decode instances")
+    p.add_argument("--prefill-dep", type=int, default=1,
+                   help="ranks per prefill instance (DEP: data-parallel attention, experts split over the ranks)")
+    p.add_argument("--decode-dep", type=int, default=1, help="ranks per decode instance (DEP)")
+    p.add_argument("--num-redundant-experts", type=int, default=0,
+                   help="extra expert slots per MoE layer of DEP instances (experts + these: a multiple of "
+                        "each DEP size)")
+    p.add_argument("--dp-sync", default=None, choices=["recursive_doubling", "gloo"],
+                   help="DEP instances' per-step all-reduce (default: recursive_doubling)")
     p.add_argument("--mode", default="disagg", choices=["disagg", "agg"],
                    help="disagg: prefill pushes KV to decode over NIXL; agg: decode prefills itself")
     p.add_argument("--host", default="127.0.0.1", help="address every service binds (default: loopback)")
@@ -34,12 +43,14 @@ def run(args: argparse.Namespace) -> int:
     from pdmesh.launcher import Mesh, MeshOptions
 
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pdmesh-logs-"))
-    if args.torch_threads is None:     # workers share this machine's cores
-        args.torch_threads = max(1, (os.cpu_count() or 1) // (args.decode + (args.prefill if args.mode == "disagg" else 0)))
     options = MeshOptions(model_dir=resolve_model(args.model), num_prefill=args.prefill, num_decode=args.decode,
                           mode=args.mode, host=args.host, http_port=args.port, grpc_port=args.grpc_port,
                           redis_url=args.redis_url, deployment=args.deployment, log_dir=log_dir,
-                          worker_args=tuple(engine_argv(args)), log_level=args.log_level)
+                          log_level=args.log_level, prefill_dep=args.prefill_dep, decode_dep=args.decode_dep,
+                          num_redundant_experts=args.num_redundant_experts, dp_sync=args.dp_sync)
+    if args.torch_threads is None:     # worker ranks share this machine's cores
+        args.torch_threads = max(1, (os.cpu_count() or 1) // max(1, options.num_worker_processes))
+    options = replace(options, worker_args=tuple(engine_argv(args)))
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     say(f"pdmesh up: model {options.model_dir}, mode {options.mode}, logs in {log_dir}")
     signal.signal(signal.SIGTERM, _interrupt)

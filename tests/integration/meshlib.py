@@ -21,7 +21,7 @@ def worker_status(mesh: Mesh, role: str) -> list:
 
     stub_class = decode_pb2_grpc.DecodeStub if role == "decode" else prefill_pb2_grpc.PrefillStub
     statuses = []
-    for spec in (s for s in mesh.specs if s.role == role):
-        with grpc.insecure_channel(spec.grpc_address) as channel:
+    for address in (a for s in mesh.specs if s.role == role for a in s.addresses):    # every rank of DEP instances
+        with grpc.insecure_channel(address) as channel:
             statuses.append(stub_class(channel).Status(decode_pb2.StatusRequest(check_integrity=True), timeout=30))
     return statuses

@@ -5,16 +5,27 @@ shared experts, and a contiguous 1/n share of the routed experts' physical slots
 every MoE layer (the `AllToAllDispatcher`), so they must run the same number of forward passes:
 
     EngineCore.step() on every rank, in lockstep:
-      schedule locally -> DP sync: all_reduce([has_work, num_tokens, num_unfinished]) int64 [3]
+      schedule locally -> DP sync: all_reduce([has_work, num_tokens, num_unfinished, stop]) int64 [4]
         -> no rank has work:        return {} without a forward (the caller idles)
         -> this rank has no work:   DUMMY forward (1 token into the reserved scratch block)
         -> else:                    the real batch
+
+`stop`: a rank that calls `LockstepStepper.request_stop()` makes every rank's record of that step say
+`stop` (after its forward, if any), so a serving instance's ranks leave the collective sequence at the
+same step.
+
+The rendezvous (a TCPStore on rank 0) listens on `master_addr` only, and on a loopback master gloo's
+own sockets bind loopback too (GLOO_SOCKET_IFNAME=lo, unless set).
 
 Setup: `init_dep(DEPConfig(...))` -> `DEPContext`; `EngineCore(model_dir, config, dep=context)` builds the
 model with this rank's slots and the dispatcher, reserves the scratch block and drives `LockstepStepper`.
 """
 from __future__ import annotations
 
+import ipaddress
+import os
+import socket
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -105,14 +116,45 @@ class DEPContext:
 def init_dep(config: DEPConfig) -> DEPContext:
     """Join the DEP process group (all ranks call it), create the dispatch group and the DP sync."""
     if not dist.is_initialized():
-        dist.init_process_group(config.backend, init_method=f"tcp://{config.master_addr}:{config.master_port}",
-                                rank=config.rank, world_size=config.size,
-                                timeout=timedelta(seconds=config.timeout_s))
+        timeout = timedelta(seconds=config.timeout_s)
+        _bind_gloo_to_loopback(config.master_addr)
+        dist.init_process_group(config.backend, store=_rendezvous(config, timeout), rank=config.rank,
+                                world_size=config.size, timeout=timeout)
     elif (dist.get_rank(), dist.get_world_size()) != (config.rank, config.size):
         raise ValueError(f"torch.distributed is already initialised as rank {dist.get_rank()} of "
                          f"{dist.get_world_size()}, not rank {config.rank} of {config.size}")
     dispatch_group = dist.new_group(backend=config.backend)
     return DEPContext(config, dispatch_group, make_dp_sync(config.dp_sync))
+
+
+def _rendezvous(config: DEPConfig, timeout: timedelta) -> dist.TCPStore:
+    """The TCPStore of the group; rank 0 serves it on a socket bound to `master_addr` only (torch's own
+    server would listen on every interface)."""
+    if config.rank:
+        return dist.TCPStore(config.master_addr, config.master_port, config.size, False, timeout)
+    family = socket.AF_INET6 if ":" in config.master_addr else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((config.master_addr, config.master_port))
+        listener.listen(config.size * 4)
+        store = dist.TCPStore(config.master_addr, config.master_port, config.size, True, timeout,
+                              master_listen_fd=listener.fileno())
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()           # the store owns the listening socket from here
+    return store
+
+
+def _bind_gloo_to_loopback(master_addr: str) -> None:
+    """A loopback master means a one-host group: keep gloo's pair sockets on loopback (Linux's `lo`)."""
+    try:
+        loopback = ipaddress.ip_address(master_addr).is_loopback
+    except ValueError:
+        loopback = master_addr == "localhost"
+    if loopback and sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
 def shutdown_dep() -> None:
@@ -148,6 +190,7 @@ class LockstepRecord:
     local_tokens: int          # this rank's scheduled tokens (0 for a dummy or idle step)
     ran_forward: bool
     dummy: bool
+    stop: bool = False         # some rank asked to stop: every rank leaves the step sequence after this one
 
 
 @dataclass
@@ -166,19 +209,25 @@ class LockstepStepper:
         self.dp_sync, self.runner, self.scratch_block = dp_sync, runner, scratch_block
         self.counters = LockstepCounters()
         self.last: LockstepRecord | None = None
+        self.stop_requested = False
+
+    def request_stop(self) -> None:
+        """This rank wants to stop: the next step's record says `stop` on every rank."""
+        self.stop_requested = True
 
     def execute(self, output: SchedulerOutput, requests: dict[str, Request],
                 num_unfinished: int) -> dict[str, SampledToken]:
         """Every rank calls this once per step, whatever it scheduled (collective)."""
         start = time.perf_counter()
-        local = torch.tensor([int(not output.is_empty), output.num_tokens, num_unfinished], dtype=torch.int64)
+        local = torch.tensor([int(not output.is_empty), output.num_tokens, num_unfinished, int(self.stop_requested)],
+                             dtype=torch.int64)
         self.dp_sync.all_reduce(local)
-        ranks_with_work, num_tokens, unfinished = local.tolist()
+        ranks_with_work, num_tokens, unfinished, stops = local.tolist()
         counters = self.counters
         counters.sync_s += time.perf_counter() - start
         counters.steps += 1
         ran, dummy = ranks_with_work > 0, ranks_with_work > 0 and output.is_empty
-        self.last = LockstepRecord(ranks_with_work, num_tokens, unfinished, output.num_tokens, ran, dummy)
+        self.last = LockstepRecord(ranks_with_work, num_tokens, unfinished, output.num_tokens, ran, dummy, stops > 0)
         if not ran:
             counters.idle += 1
             return {}

@@ -18,6 +18,10 @@ from pdmesh.services.common.logging import configure_logging, get_logger
 log = get_logger(__name__)
 
 
+class ServiceStopped(Exception):
+    """A service's `main()` ended on its own (e.g. a DEP rank whose instance stopped): the process exits 1."""
+
+
 @dataclass(frozen=True)
 class CommonConfig:
     host: str = "127.0.0.1"
@@ -65,12 +69,13 @@ def common_from_args(args: argparse.Namespace) -> CommonConfig:
 
 
 def run_service(name: str, common: CommonConfig, main: Callable[[], Awaitable[None]]) -> int:
-    """Run a service's `main()` until it returns or SIGINT/SIGTERM arrives (then cancel it cleanly)."""
+    """Run a service's `main()` until it returns or SIGINT/SIGTERM arrives (then cancel it cleanly);
+    0, or 1 when `main()` raised `ServiceStopped`."""
     configure_logging(name, common.log_level)
     if common.metrics_port is not None:
         start_http_server(common.metrics_port, addr=common.host)
 
-    async def runner() -> None:
+    async def runner() -> int:
         task = asyncio.ensure_future(main())
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -79,6 +84,9 @@ def run_service(name: str, common: CommonConfig, main: Callable[[], Awaitable[No
             await task
         except asyncio.CancelledError:
             log.info("stopped", service=name)
+        except ServiceStopped as e:
+            log.error("stopped", service=name, reason=str(e))
+            return 1
+        return 0
 
-    asyncio.run(runner())
-    return 0
+    return asyncio.run(runner())

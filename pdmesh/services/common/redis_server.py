@@ -27,6 +27,26 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def free_port_block(host: str = "127.0.0.1", count: int = 1, attempts: int = 100) -> int:
+    """The first of `count` consecutive ports free on `host` right now (a DEP instance's ranks)."""
+    for _ in range(attempts):
+        base = free_port(host)
+        if base + count > 65536:
+            continue
+        sockets: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                sockets.append(socket.socket())
+                sockets[-1].bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise OSError(f"no {count} consecutive free ports on {host} after {attempts} attempts")
+
+
 class EmbeddedRedis:
     """Start with `start()`, stop with `stop()` (or use as a context manager)."""
 

@@ -81,6 +81,7 @@ class KVReceiver:
         if blocks is None:
             raise ResourceExhausted(f"not enough free KV blocks for a {len(prompt_ids)}-token prompt")
         self.book.add(Reservation(request_id, len(blocks), len(prompt_ids)))
+        self.loop.stats.requests_total += 1
         return blocks
 
     def _publish(self, request_id: str, lease_s: float) -> bool:

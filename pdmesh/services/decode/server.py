@@ -13,6 +13,7 @@ from pdmesh.engine.config import EngineConfig
 from pdmesh.services.common.options import CommonConfig, add_common_arguments, common_from_args
 from pdmesh.services.decode.receiver import DEFAULT_QUARANTINE_S, KVReceiver
 from pdmesh.services.decode.servicer import DecodeServicer
+from pdmesh.services.worker.dep_instance import DEPOptions, add_dep_arguments, dep_from_args, rank_common
 from pdmesh.services.worker.runtime import WorkerParts, WorkerSpec, run_worker
 from pdmesh.transfer.pb import layout_to_pb
 
@@ -28,6 +29,7 @@ class DecodeConfig:
     kvstore: str = ""            # host:port of the kvstore; empty: find it in the registry
     lease_ms: int = 10000        # default reservation lease
     kv_quarantine_s: float = DEFAULT_QUARANTINE_S   # cap on holding blocks a late KV write may land in
+    dep: DEPOptions = DEPOptions()                  # --dep N: N rank processes (see worker.dep_instance)
 
     def __post_init__(self) -> None:
         if not 0 < self.lease_ms < 2**32:
@@ -39,6 +41,7 @@ class DecodeConfig:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
     add_engine_options(parser)
+    add_dep_arguments(parser)
     g = parser.add_argument_group("decode")
     g.add_argument("--kvstore", default="", help="kvstore address host:port (default: from the registry)")
     g.add_argument("--lease-ms", type=int, default=10000, help="how long reserved blocks wait for their KV")
@@ -48,8 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> DecodeConfig:
-    return DecodeConfig(common_from_args(args), resolve_model(args.model), engine_config(args),
-                        args.kvstore, args.lease_ms, args.kv_quarantine_s)
+    dep = dep_from_args(args)
+    return DecodeConfig(rank_common(common_from_args(args), ROLE, dep), resolve_model(args.model), engine_config(args),
+                        args.kvstore, args.lease_ms, args.kv_quarantine_s, dep)
 
 
 def _servicer(config: DecodeConfig):
@@ -65,4 +69,4 @@ def _servicer(config: DecodeConfig):
 async def serve(config: DecodeConfig, ready: asyncio.Event | None = None) -> None:
     """Serve until cancelled; `ready` is set once the rank takes requests."""
     spec = WorkerSpec(ROLE, SERVICE_NAME, _servicer(config), decode_pb2_grpc.add_DecodeServicer_to_server)
-    await run_worker(spec, config.common, config.model_dir, config.engine, config.kvstore, ready)
+    await run_worker(spec, config.common, config.model_dir, config.engine, config.kvstore, ready, config.dep)

@@ -56,6 +56,7 @@ class KVPusher:
                  request_id: str) -> None:
         self.loop.engine.add_request(prompt_ids, params, request_id, hold_blocks=True)
         self._pushes[request_id] = Push(request_id, future)
+        self.loop.stats.requests_total += 1
 
     def is_busy(self) -> bool:
         return any(p.in_flight for p in self._pushes.values())

@@ -13,6 +13,7 @@ from pdmesh.engine.config import EngineConfig
 from pdmesh.services.common.options import CommonConfig, add_common_arguments, common_from_args
 from pdmesh.services.prefill.pusher import KVPusher
 from pdmesh.services.prefill.servicer import PrefillServicer
+from pdmesh.services.worker.dep_instance import DEPOptions, add_dep_arguments, dep_from_args, rank_common
 from pdmesh.services.worker.runtime import WorkerParts, WorkerSpec, run_worker
 
 ROLE = "prefill"
@@ -25,17 +26,21 @@ class PrefillConfig:
     model_dir: Path
     engine: EngineConfig
     kvstore: str = ""            # host:port of the kvstore; empty: find it in the registry
+    dep: DEPOptions = DEPOptions()   # --dep N: N rank processes (see worker.dep_instance)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
     add_engine_options(parser)
+    add_dep_arguments(parser)
     g = parser.add_argument_group("prefill")
     g.add_argument("--kvstore", default="", help="kvstore address host:port (default: from the registry)")
 
 
 def config_from_args(args: argparse.Namespace) -> PrefillConfig:
-    return PrefillConfig(common_from_args(args), resolve_model(args.model), engine_config(args), args.kvstore)
+    dep = dep_from_args(args)
+    return PrefillConfig(rank_common(common_from_args(args), ROLE, dep), resolve_model(args.model),
+                         engine_config(args), args.kvstore, dep)
 
 
 def _make_servicer(parts: WorkerParts) -> PrefillServicer:
@@ -46,4 +51,4 @@ def _make_servicer(parts: WorkerParts) -> PrefillServicer:
 async def serve(config: PrefillConfig, ready: asyncio.Event | None = None) -> None:
     """Serve until cancelled; `ready` is set once the rank takes requests."""
     spec = WorkerSpec(ROLE, SERVICE_NAME, _make_servicer, prefill_pb2_grpc.add_PrefillServicer_to_server)
-    await run_worker(spec, config.common, config.model_dir, config.engine, config.kvstore, ready)
+    await run_worker(spec, config.common, config.model_dir, config.engine, config.kvstore, ready, config.dep)

@@ -90,7 +90,8 @@ def worker_status_pb(instance_id: str, status: EngineStatus) -> decode_pb2.Worke
         kv_blocks_total=status.kv_blocks_total, kv_bytes_sent=stats.kv_bytes_sent,
         kv_bytes_received=stats.kv_bytes_received, transfer_failures=stats.transfer_failures,
         lease_expiries=stats.lease_expiries, integrity_error=status.integrity_error,
-        integrity_checked=status.integrity_checked, kv_quarantines=stats.kv_quarantines)
+        integrity_checked=status.integrity_checked, kv_quarantines=stats.kv_quarantines, rank=status.rank,
+        dp_size=status.dp_size, expert_weight_bytes=status.expert_weight_bytes, requests_total=stats.requests_total)
 
 
 def heartbeat_stats(status: EngineStatus) -> dict[str, int]:
@@ -99,4 +100,5 @@ def heartbeat_stats(status: EngineStatus) -> dict[str, int]:
     return {"running": status.num_running, "waiting": status.num_waiting, "kv_blocks_used": status.kv_blocks_used,
             "kv_blocks_free": status.kv_blocks_free, "kv_bytes_sent": stats.kv_bytes_sent,
             "kv_bytes_received": stats.kv_bytes_received, "transfer_failures": stats.transfer_failures,
-            "lease_expiries": stats.lease_expiries, "kv_quarantines": stats.kv_quarantines}
+            "lease_expiries": stats.lease_expiries, "kv_quarantines": stats.kv_quarantines,
+            "requests_total": stats.requests_total, "expert_weight_bytes": status.expert_weight_bytes}

@@ -8,6 +8,13 @@ Loop body: drain commands → role poll (NIXL notifications and transfers, lease
 if the engine has work → deliver outputs. With no work it blocks on the command queue:
 `BUSY_WAIT_S` while the role waits on NIXL (KV expected, WRITE in flight), `IDLE_WAIT_S` otherwise.
 
+DEP rank (`engine.lockstep` set): every iteration calls `step()`, a collective every rank of the
+instance runs in the same sequence (commands only change local state). After a step that ran no
+forward on any rank, the next sync waits `IDLE_SYNC_MIN_S`, doubling up to `IDLE_SYNC_MAX_S`, or less
+once this rank has work; commands run and the role is polled (every `BUSY_WAIT_S` while busy) in between.
+`stop()` asks every rank to stop after the next step; a step that fails (a rank died, a collective timed
+out) or another rank's stop ends the loop too, and `ended` tells why.
+
 The role (`EngineRole`) adds what differs between ranks and runs in this thread too: decode's
 `KVReceiver` (reservations, leases, admission on the KV notification), prefill's `KVPusher` (one
 NIXL WRITE per finished prompt). Blocks a WRITE reads are never released before it ends, and blocks a
@@ -18,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -29,10 +37,12 @@ from pdmesh.engine.sampling import SamplingParams
 from pdmesh.engine.scheduler import StepOutput
 from pdmesh.services.common.errors import Unavailable
 from pdmesh.services.common.logging import get_logger
+from pdmesh.services.worker.stream import RequestStream
 
 log = get_logger(__name__)
 IDLE_WAIT_S = 0.1
 BUSY_WAIT_S = 0.001
+IDLE_SYNC_MIN_S, IDLE_SYNC_MAX_S = 0.001, 0.02     # DEP: pause before a sync that follows an idle one
 
 _L = ("instance",)
 KV_TRANSFER_BYTES = Counter("pdmesh_kv_transfer_bytes_total", "KV bytes written to other agents over NIXL", _L)
@@ -56,6 +66,7 @@ class WorkerStats:
     transfer_failures: int = 0
     lease_expiries: int = 0
     kv_quarantines: int = 0
+    requests_total: int = 0         # requests this rank took (Generate, Reserve, Prefill)
 
 
 @dataclass(frozen=True)
@@ -68,38 +79,9 @@ class EngineStatus:
     stats: WorkerStats
     integrity_checked: bool = False
     integrity_error: str = ""
-
-
-class RequestStream:
-    """One request's step outputs, in order; ends after the output with a finish reason.
-
-    Iterating yields lists of the outputs available at once. An engine failure ends the stream
-    with the error raised from the iteration.
-    """
-
-    def __init__(self, request_id: str, num_prompt_tokens: int = 0) -> None:
-        self.request_id, self.num_prompt_tokens = request_id, num_prompt_tokens
-        self.queue: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
-        self.finished = False
-
-    def aborted_output(self) -> StepOutput:
-        return StepOutput(self.request_id, [], [], [], "abort", None, self.num_prompt_tokens, 0)
-
-    async def __aiter__(self):
-        while not self.finished:
-            items = [await self.queue.get()]
-            while not self.queue.empty():
-                items.append(self.queue.get_nowait())
-            steps: list[StepOutput] = []
-            for item in items:
-                if isinstance(item, BaseException):
-                    self.finished = True
-                    raise item
-                steps.append(item)
-                if item.finish_reason is not None:
-                    self.finished = True
-                    break
-            yield steps
+    rank: int = 0
+    dp_size: int = 1
+    expert_weight_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -111,7 +93,7 @@ class _Command:
 
 
 _STOP = object()
-StreamItem = tuple["RequestStream", StepOutput | BaseException]
+StreamItem = tuple[RequestStream, StepOutput | BaseException]
 
 
 class EngineRole(Protocol):
@@ -139,14 +121,19 @@ class EngineRole(Protocol):
 
 
 class EngineLoop:
-    def __init__(self, engine: EngineCore, agent: Any = None, instance_id: str = "") -> None:
+    def __init__(self, engine: EngineCore, agent: Any = None, instance_id: str = "", rank: int = 0,
+                 dp_size: int = 1) -> None:
         self.engine, self.agent, self.instance_id = engine, agent, instance_id
+        self.rank, self.dp_size = rank, dp_size
+        self.expert_weight_bytes = engine.runner.expert_weight_bytes()
         self.role: EngineRole | None = None
         self.stats = WorkerStats()
         self.streams: dict[str, RequestStream] = {}          # engine thread only
         self._commands: queue.SimpleQueue[_Command | object] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self.ended: asyncio.Future[str] | None = None      # set when the thread ends: why
+        self._end_reason = "stopped"
 
     @property
     def vocab_size(self) -> int:
@@ -159,6 +146,7 @@ class EngineLoop:
     # ----- asyncio side -----
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self.ended = self._loop.create_future()
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.instance_id}", daemon=True)
         self._thread.start()
 
@@ -172,7 +160,7 @@ class EngineLoop:
     def submit(self, fn: Callable[..., Any], *args: Any, deferred: bool = False) -> asyncio.Future:
         """Run `fn(*args)` in the engine thread; the future gets its result or error. A `deferred`
         command is called as `fn(future, *args)` and resolves the future itself (maybe later)."""
-        if self._thread is None:
+        if self._thread is None or not self._thread.is_alive():     # a DEP rank's loop can end on its own
             raise Unavailable("the engine loop is not running")
         future = self._loop.create_future()
         self._commands.put(_Command(fn, args, future, deferred))
@@ -221,16 +209,52 @@ class EngineLoop:
     # ----- engine thread: the loop -----
     def _run(self) -> None:
         try:
-            while self._drain(self._wait_s()):
-                if self.role is not None:
-                    self.role.poll()
-                if self.engine.has_unfinished:
-                    self._step()
-        except BaseException:  # noqa: BLE001 - the thread must not die silently
+            if self.engine.lockstep is not None:
+                self._run_lockstep()
+            else:
+                self._run_single()
+        except BaseException as e:  # noqa: BLE001 - the thread must not die silently
             log.exception("engine loop crashed", instance=self.instance_id)
+            self._end_reason = f"engine loop crashed: {type(e).__name__}: {e}"
         finally:
             self._fail_all(Unavailable("the worker is shutting down"))
             self._drain_after_stop()
+            self.resolve(self.ended, self._end_reason)
+
+    def _run_single(self) -> None:
+        while self._drain(self._wait_s()):
+            if self.role is not None:
+                self.role.poll()
+            if self.engine.has_unfinished:
+                self._step()
+
+    def _run_lockstep(self) -> None:
+        """DEP: one collective step per iteration until a rank stops (see the module docstring)."""
+        lockstep, idle_s, stopping = self.engine.lockstep, 0.0, False
+        while True:
+            if not stopping and not self._pause(idle_s):
+                stopping = True
+                lockstep.request_stop()
+            self._deliver_outputs(self.engine.step())      # raises when the group broke: the loop ends
+            record = lockstep.last
+            if record.stop:
+                self._end_reason = "stopped" if stopping else "another rank of this DEP instance stopped"
+                return
+            idle_s = 0.0 if record.ran_forward else min(max(2 * idle_s, IDLE_SYNC_MIN_S), IDLE_SYNC_MAX_S)
+
+    def _pause(self, wait_s: float) -> bool:
+        """DEP, between syncs: run commands and poll the role for up to `wait_s` (NIXL every `BUSY_WAIT_S`
+        while the role is busy), less once this rank has work. False once asked to stop."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            left = deadline - time.monotonic()
+            busy = self.role is not None and self.role.is_busy()
+            if not self._drain(max(0.0, min(left, BUSY_WAIT_S) if busy else left)):
+                return False
+            if self.role is not None:
+                self.role.poll()
+            if left <= 0 or self.engine.has_unfinished:
+                return True
 
     def _wait_s(self) -> float:
         if self.engine.has_unfinished:
@@ -278,6 +302,9 @@ class EngineLoop:
             log.exception("engine step failed", instance=self.instance_id)
             self._fail_all(Unavailable(f"engine step failed: {type(e).__name__}: {e}"))
             return
+        self._deliver_outputs(outputs)
+
+    def _deliver_outputs(self, outputs: list[StepOutput]) -> None:
         items: list[StreamItem] = []
         for output in outputs:
             if self.role is not None and self.role.take(output):
@@ -294,6 +321,7 @@ class EngineLoop:
                   stream: RequestStream) -> None:
         self.engine.add_request(prompt_ids, params, request_id)
         self.streams[request_id] = stream
+        self.stats.requests_total += 1
 
     def _abort(self, request_id: str) -> bool:
         found, busy = self.role.abort(request_id) if self.role is not None else (False, False)
@@ -314,7 +342,8 @@ class EngineLoop:
                 error = str(e) or "the KV pool's integrity check failed"
         kv, scheduler = self.engine.kv_stats(), self.engine.scheduler
         status = EngineStatus(scheduler.num_running, scheduler.num_waiting, kv.num_used, kv.num_free + kv.num_cached,
-                              kv.num_blocks, replace(self.stats), check_integrity, error)
+                              kv.num_blocks, replace(self.stats), check_integrity, error, self.rank, self.dp_size,
+                              self.expert_weight_bytes)
         labels = {"instance": self.instance_id}
         KV_BLOCKS_USED.labels(**labels).set(status.kv_blocks_used)
         KV_BLOCKS_FREE.labels(**labels).set(status.kv_blocks_free)

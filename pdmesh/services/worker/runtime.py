@@ -4,13 +4,18 @@
 publishes the agent's metadata in the kvstore, starts the engine thread and the gRPC server, then
 heartbeats `InstanceInfo(ready=True, stats=...)` until cancelled; on the way out it deregisters,
 stops serving, aborts everything in the engine and closes its clients (in that order).
+
+A DEP rank (`DEPOptions.is_rank`; its `common` comes from `dep_instance.rank_common`) first joins its
+instance's group, builds the engine with its share of the experts, registers as `<id>-r<rank>` with rank
+and dp_size, and also ends (raising `ServiceStopped`) when its engine loop ends on its own: another rank
+stopped or the group broke.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +23,15 @@ import grpc
 
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.engine_core import EngineCore
+from pdmesh.engine.parallel.dep import DEPConfig, DEPContext, init_dep, shutdown_dep
 from pdmesh.services.common.grpc_server import start_grpc_server
 from pdmesh.services.common.logging import get_logger
-from pdmesh.services.common.options import CommonConfig
+from pdmesh.services.common.options import CommonConfig, ServiceStopped
 from pdmesh.services.common.redis_server import free_port
 from pdmesh.services.common.registry import InstanceInfo, Registry, connect, heartbeat_forever
 from pdmesh.services.kvstore.client import KVStoreClient
 from pdmesh.services.worker.convert import heartbeat_stats
+from pdmesh.services.worker.dep_instance import DEPOptions, master_addr
 from pdmesh.services.worker.engine_loop import EngineLoop
 from pdmesh.transfer.agent import KVTransferAgent
 
@@ -63,20 +70,28 @@ async def discover_kvstore(registry: Registry, timeout_s: float = KVSTORE_DISCOV
 
 
 async def run_worker(spec: WorkerSpec, common: CommonConfig, model_dir: Path, engine_config: EngineConfig,
-                     kvstore_address: str = "", ready: asyncio.Event | None = None) -> None:
+                     kvstore_address: str = "", ready: asyncio.Event | None = None,
+                     dep: DEPOptions | None = None) -> None:
     """Serve until cancelled (see the module docstring)."""
+    dep = dep if dep is not None and dep.size > 1 else None
+    if dep is not None and not dep.is_rank:
+        raise ValueError("a DEP instance is started with `pdmesh serve ROLE --dep N`, which runs its ranks")
     port = common.port or (0 if common.instance_id else free_port(common.host))   # the default id needs it
     instance_id = common.instance(spec.role, port)
-    engine = await asyncio.to_thread(EngineCore, model_dir, engine_config)
+    context = await asyncio.to_thread(_join_dep, common, dep) if dep is not None else None
+    engine = await asyncio.to_thread(EngineCore, model_dir, engine_config, context)
     # Decode needs NIXL's progress thread to receive writes promptly; prefill drives progress itself
     # (poll/wait on its own transfers), which measured faster than with the thread.
     agent = KVTransferAgent(instance_id, engine.runner.kv_caches, progress_thread=spec.role == "decode")
-    loop = EngineLoop(engine, agent, instance_id)
+    rank, size = (dep.rank, dep.size) if dep is not None else (0, 1)
+    loop = EngineLoop(engine, agent, instance_id, rank, size)
     redis = connect(common.redis_url)
     registry = Registry(redis, common.deployment)
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(redis.aclose)
         stack.callback(agent.close)                   # after the engine thread, its only user, ended
+        if context is not None:
+            stack.callback(shutdown_dep)              # likewise: the thread's last step was a collective
         kvstore = KVStoreClient(kvstore_address or await discover_kvstore(registry))
         stack.push_async_callback(kvstore.close)
         await kvstore.register_agent(instance_id, agent.metadata(), instance_id)
@@ -88,24 +103,37 @@ async def run_worker(spec: WorkerSpec, common: CommonConfig, model_dir: Path, en
         server = await start_grpc_server(common.host, port, [lambda s: spec.add_servicer(servicer, s)],
                                          [spec.service_name])
         stack.push_async_callback(server.stop)
-        info = InstanceInfo(instance_id, spec.role, common.address(server.port), model=Path(model_dir).resolve().name,
-                            ready=True)
+        info = InstanceInfo(instance_id, spec.role, common.address(server.port), rank=rank, dp_size=size,
+                            model=Path(model_dir).resolve().name, ready=True)
         stack.push_async_callback(registry.remove, instance_id)
         heartbeat = asyncio.ensure_future(heartbeat_forever(
             registry, lambda: _report(loop, info), common.heartbeat_s, 3 * common.heartbeat_s))
         stack.push_async_callback(_cancel, heartbeat)
         await server.set_serving(True)
-        log.info("serving", role=spec.role, instance=instance_id, address=info.address,
+        log.info("serving", role=spec.role, instance=instance_id, address=info.address, rank=rank, dp_size=size,
                  kv_blocks=engine.runner.kv_layout.num_blocks)
         if ready is not None:
             ready.set()
-        await asyncio.Future()           # until cancelled
+        await _until_stopped(loop, instance_id, context is not None)
+
+
+def _join_dep(common: CommonConfig, dep: DEPOptions) -> DEPContext:
+    """Join the instance's group (blocks until every rank joined)."""
+    return init_dep(DEPConfig(dep.rank, dep.size, master_addr(common.host), dep.dist_port, dp_sync=dep.dp_sync,
+                              num_redundant_experts=dep.num_redundant_experts))
+
+
+async def _until_stopped(loop: EngineLoop, instance_id: str, dep: bool) -> None:
+    """Until cancelled; a DEP rank also ends when its engine loop does (the instance cannot go on)."""
+    if not dep:
+        await asyncio.Future()
+    reason = await asyncio.shield(loop.ended)
+    raise ServiceStopped(f"{instance_id}: {reason}")
 
 
 async def _report(loop: EngineLoop, info: InstanceInfo) -> InstanceInfo:
     status = await loop.status()
-    return InstanceInfo(info.instance_id, info.role, info.address, model=info.model, ready=True,
-                        stats=heartbeat_stats(status))
+    return replace(info, stats=heartbeat_stats(status))
 
 
 async def _cancel(task: asyncio.Task) -> None:

@@ -80,7 +80,7 @@ class StatusRequest(_message.Message):
     def __init__(self, check_integrity: _Optional[bool] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("instance_id", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_free", "kv_blocks_total", "kv_bytes_sent", "kv_bytes_received", "transfer_failures", "lease_expiries", "integrity_error", "integrity_checked", "kv_quarantines")
+    __slots__ = ("instance_id", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_free", "kv_blocks_total", "kv_bytes_sent", "kv_bytes_received", "transfer_failures", "lease_expiries", "integrity_error", "integrity_checked", "kv_quarantines", "rank", "dp_size", "expert_weight_bytes", "requests_total")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,10 @@ class WorkerStatus(_message.Message):
     INTEGRITY_ERROR_FIELD_NUMBER: _ClassVar[int]
     INTEGRITY_CHECKED_FIELD_NUMBER: _ClassVar[int]
     KV_QUARANTINES_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    DP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     num_running: int
     num_waiting: int
@@ -107,4 +111,8 @@ class WorkerStatus(_message.Message):
     integrity_error: str
     integrity_checked: bool
     kv_quarantines: int
-    def __init__(self, instance_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., integrity_error: _Optional[str] = ..., integrity_checked: _Optional[bool] = ..., kv_quarantines: _Optional[int] = ...) -> None: ...
+    rank: int
+    dp_size: int
+    expert_weight_bytes: int
+    requests_total: int
+    def __init__(self, instance_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., integrity_error: _Optional[str] = ..., integrity_checked: _Optional[bool] = ..., kv_quarantines: _Optional[int] = ..., rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., expert_weight_bytes: _Optional[int] = ..., requests_total: _Optional[int] = ...) -> None: ...
