@@ -21,6 +21,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--torch-threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
+    g.add_argument("--expert-load-window", type=int, default=1000, help="steps of expert load kept for EPLB")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -28,7 +29,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         kv_cache_memory_bytes=args.kv_cache_mib << 20, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                         enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device,
-                        num_threads=args.torch_threads)
+                        num_threads=args.torch_threads, expert_load_window=args.expert_load_window)
 
 
 def resolve_model(model: Path | None) -> Path:
@@ -44,7 +45,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     """The engine options of `args` as command-line flags again (the launcher passes them to workers)."""
     argv = ["--dtype", args.dtype, "--device", args.device, "--block-size", str(args.block_size),
             "--kv-cache-mib", str(args.kv_cache_mib), "--max-num-seqs", str(args.max_num_seqs),
-            "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--expert-load-window", str(args.expert_load_window)]
     if args.num_blocks is not None:
         argv += ["--num-blocks", str(args.num_blocks)]
     if args.max_model_len is not None:

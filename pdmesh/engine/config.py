@@ -5,7 +5,7 @@ Both are frozen dataclasses validated once, here; the rest of the engine trusts 
 from __future__ import annotations
 
 import json
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -159,7 +159,7 @@ class EngineConfig:
     device: str = "auto"                   # auto | cpu | cuda | cuda:N
     seed: int = 0
     num_threads: int | None = None         # torch CPU threads of this process; None: torch's default
-    extra: dict[str, Any] = field(default_factory=dict)
+    expert_load_window: int = 1000         # steps of per-slot expert load kept for EPLB (a ring)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -170,6 +170,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.expert_load_window < 1:
+            raise ValueError(f"expert_load_window must be >= 1, got {self.expert_load_window}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
