@@ -4,13 +4,16 @@ kvstore, decode and prefill run in this process (as in test_workers) with a shor
 test keeps the decode rank's engine loop to read its KV pool, and writes "late" KV into it with its own
 NIXL agent. Covered: a prefill whose reservation ended (lease, Cancel) computes but never writes; a
 reservation cancelled while TRANSFERRING keeps its blocks out of the pool until the KV lands or the cap
-passes; a request id can be reserved again once its hand-off is final; seeded sampling through
-Reserve → Prefill → Decode equals the offline engine. Every test leaves both pools empty and intact.
+passes; a lease that runs out after a prefill claimed the hand-off does not lose the request (it waits
+for its KV until the cap, and only then is dropped); a request id can be reserved again once its
+hand-off is final; seeded sampling through Reserve → Prefill → Decode equals the offline engine. Every
+test leaves both pools empty and intact.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import threading
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -223,6 +226,95 @@ def test_quarantine_ends_at_the_cap_without_a_notification(mesh: SafetyMesh) -> 
     assert_clean(mesh.decode)
 
 
+# ----- a lease that runs out after a prefill claimed the hand-off -----
+@pytest.fixture
+def held_writes(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, threading.Event]]:
+    """Prefill WRITEs of the request ids put in here wait (after their claim) until their event is set."""
+    from pdmesh.services.prefill.pusher import KVPusher
+
+    held: dict[str, threading.Event] = {}
+    write = KVPusher.write
+
+    def held_write(self, request_id: str, target):
+        gate = held.get(request_id)
+        if gate is None:
+            return write(self, request_id, target)
+
+        async def later():
+            await asyncio.get_running_loop().run_in_executor(None, gate.wait, RPC_TIMEOUT_S)
+            return await write(self, request_id, target)
+        return asyncio.ensure_future(later())
+
+    monkeypatch.setattr(KVPusher, "write", held_write)
+    yield held
+    for gate in held.values():
+        gate.set()
+
+
+def run_lease_out(mesh: SafetyMesh, request_id: str) -> None:
+    """End the reservation's lease now, as a prefill queue longer than the lease does."""
+    mesh.on_engine(lambda: mesh.decode_parts.engine.role.book.leases.add(request_id, 0.0))
+
+
+def waits_past_its_lease(mesh: SafetyMesh, request_id: str) -> bool:
+    return mesh.on_engine(lambda: getattr(mesh.decode_parts.engine.role.book.get(request_id), "extended", False))
+
+
+def decode_call(mesh: SafetyMesh, request_id: str, first_token: common_pb2.TokenLogprob):
+    return mesh.decode.Decode(decode_pb2.DecodeRequest(request_id=request_id, first_token=first_token),
+                              timeout=RPC_TIMEOUT_S, metadata=md(request_id))
+
+
+def test_lease_running_out_while_the_write_is_in_flight_still_completes(mesh: SafetyMesh, held_writes) -> None:
+    expected, _, _ = disagg(mesh, "lapse-ref", PROMPTS[2])
+    before = status(mesh.decode)
+    held_writes["lapse"] = gate = threading.Event()
+    target = reserve(mesh, "lapse", PROMPTS[2])
+    prefill = mesh.prefill.Prefill.future(prefill_pb2.PrefillRequest(
+        request_id="lapse", prompt_token_ids=PROMPTS[2], sampling=GREEDY, target=target), timeout=RPC_TIMEOUT_S)
+    mesh.wait_handoff("lapse", "TRANSFERRING")                    # claimed; its WRITE waits for `gate`
+    run_lease_out(mesh, "lapse")
+    wait_for(lambda: waits_past_its_lease(mesh, "lapse"), what="the reservation to outlive its lease")
+    held = status(mesh.decode)
+    assert held.lease_expiries == before.lease_expiries + 1 and held.kv_quarantines == before.kv_quarantines
+    assert held.kv_blocks_used == len(target.block_ids) and mesh.handoff_state("lapse") == "TRANSFERRING"
+    gate.set()
+    response = prefill.result()
+    chunks = list(decode_call(mesh, "lapse", response.first_token))
+    assert [response.first_token.token_id] + [t for c in chunks for t in c.token_ids] == expected
+    mesh.wait_handoff("lapse", "CONSUMED")
+    assert_clean(mesh.decode)
+    assert_clean(mesh.prefill)
+
+
+def test_lease_running_out_after_the_kv_landed_waits_for_the_decode_call(mesh: SafetyMesh) -> None:
+    expected, _, _ = disagg(mesh, "landed-ref", PROMPTS[1])
+    target = reserve(mesh, "landed", PROMPTS[1])
+    response = prefill_call(mesh, "landed", PROMPTS[1], target)
+    run_lease_out(mesh, "landed")
+    wait_for(lambda: waits_past_its_lease(mesh, "landed"), what="the reservation to outlive its lease")
+    chunks = list(decode_call(mesh, "landed", response.first_token))
+    assert [response.first_token.token_id] + [t for c in chunks for t in c.token_ids] == expected
+    mesh.wait_handoff("landed", "CONSUMED")
+    assert_clean(mesh.decode)
+
+
+def test_claimed_reservation_whose_kv_never_comes_is_dropped_at_the_cap(mesh: SafetyMesh) -> None:
+    target = reserve(mesh, "never-written", PROMPTS[1])
+    claim(mesh, "never-written")
+    waiting = decode_call(mesh, "never-written", common_pb2.TokenLogprob(token_id=5))
+    run_lease_out(mesh, "never-written")
+    wait_for(lambda: waits_past_its_lease(mesh, "never-written"), what="the reservation to outlive its lease")
+    assert status(mesh.decode).kv_blocks_used == len(target.block_ids)
+    wait_for(lambda: status(mesh.decode, check=False).kv_blocks_used == 0, timeout_s=QUARANTINE_S + 10,
+             what="the cap")
+    with pytest.raises(grpc.RpcError) as info:
+        list(waiting)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, info.value.details()
+    mesh.wait_handoff("never-written", "EXPIRED")
+    assert_clean(mesh.decode)
+
+
 # ----- hand-off records: retries and idempotence -----
 def test_a_final_handoff_can_be_opened_again_and_a_live_one_cannot(mesh: SafetyMesh) -> None:
     from prometheus_client import REGISTRY
@@ -372,7 +464,11 @@ def test_reservation_lease_runs_from_publish() -> None:
 
     book = ReservationBook()
     book.add(Reservation("r", 1, 3))
-    assert book.expire(1e9) == [] and not book.kv_arrived("r").published
+    assert book.lapsed(1e9) == [] and not book.kv_arrived("r").published
     assert book.publish("r", deadline=5.0) and book.kv_arrived("r").published
-    assert [r.request_id for r in book.expire(5.0)] == ["r"]
-    assert not book.publish("r", deadline=9.0)
+    assert [r.request_id for r in book.lapsed(5.0)] == ["r"] and "r" in book     # kept until decided
+    assert book.lapsed(1e9) == []                                              # no lease runs any more
+    assert book.extend("r", deadline=8.0).extended and book.lapsed(7.9) == []
+    assert [r.request_id for r in book.lapsed(8.0)] == ["r"]
+    book.pop("r")
+    assert not book.publish("r", deadline=9.0) and book.extend("r", 9.0) is None

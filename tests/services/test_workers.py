@@ -495,4 +495,6 @@ def test_lease_table_and_reservation_book() -> None:
         book.decode_called("unknown", 1)
     assert book.kv_arrived("unknown") is None
     book.pop("kv-first")
-    assert [r.request_id for r in book.expire(5.0)] == ["call-first"] and not book
+    assert [r.request_id for r in book.lapsed(5.0)] == ["call-first"] and len(book) == 1
+    book.pop("call-first")
+    assert not book

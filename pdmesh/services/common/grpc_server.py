@@ -17,6 +17,7 @@ from pdmesh.services.common.logging import bind_request_id, get_logger
 
 log = get_logger(__name__)
 REQUEST_ID_METADATA = "x-request-id"
+ADMITTED_METADATA = "x-pdmesh-admitted"    # decode.Decode's initial metadata: the request is in the batch
 MAX_MESSAGE_BYTES = 64 << 20
 
 

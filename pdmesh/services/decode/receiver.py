@@ -2,16 +2,24 @@
 
 Reserve holds blocks (`core.ReservationBook`); `publish` (once the kvstore hand-off is open) starts the
 lease. A reservation is admitted into the batch (`EngineCore.kv_arrived`) once both the NIXL
-notification (request id) and the Decode call (first token) are in, in either order. If its lease runs
-out first (a waiting Decode call gets DeadlineExceeded) or it is cancelled (the call ends with an
-aborted chunk), it ends:
+notification (request id) and the Decode call (first token) are in, in either order.
+
+Its lease running out does not end it by itself ("expired" event → `decide`): if the kvstore says a
+prefill rank claimed its hand-off (TRANSFERRING/READY, or unknown), or its KV is in already, it waits
+for the rest until `quarantine_s` (the cap) and then proceeds normally; only when the cap passes too is
+it dropped ("lapsed" event: its record is ended first, then `decide` drops it). If no prefill rank
+claimed it (RESERVED → EXPIRED) it ends at once. Dropped: blocks freed, a waiting Decode call gets
+DeadlineExceeded.
+
+Cancelled (the call ends with an aborted chunk) before admission, it ends:
 - not published yet (no prefill rank knows its blocks), or its KV already arrived: blocks freed at once;
 - else quarantined: the blocks stay out of the pool until `settle(request_id, free=True)` (the kvstore
   says no WRITE can land), its NIXL notification arrives, or `quarantine_s` passes, whichever is first.
 A quarantined request id cannot be reserved again meanwhile (Unavailable).
 
 `on_event(kind, request_id)` runs on the event loop for "ready" (KV arrived), "consumed" (admitted),
-and "expired"/"cancelled" (a published reservation ended: end its hand-off, then `settle`).
+"expired" (lease ran out: end the hand-off if unclaimed, then `decide`), "cancelled" (end its hand-off,
+then `settle`) and "lapsed" (the cap passed: end its hand-off, then `decide` to drop it).
 """
 from __future__ import annotations
 
@@ -65,8 +73,14 @@ class KVReceiver:
 
     async def admit(self, request_id: str, first_token_id: int | None) -> RequestStream:
         """Wait for the reservation's KV, then admit it; the stream carries the tokens after the first.
-        DeadlineExceeded if the lease runs out first, NotFound if there is no such reservation."""
+        DeadlineExceeded if it ends first (lease out with no prefill claim, or the cap passed), NotFound if
+        there is no such reservation."""
         return await self.loop.submit(self._admit_call, request_id, first_token_id, deferred=True)
+
+    async def decide(self, request_id: str, wait: bool) -> None:
+        """The kvstore answered for a reservation whose lease ran out: `wait` for its KV until the cap (a
+        prefill rank claimed its hand-off), or end it now (none did, and none can any more)."""
+        await self.loop.submit(self._decide, request_id, wait)
 
     async def settle(self, request_id: str, free: bool) -> None:
         """The hand-off of an ended reservation is recorded: `free` its blocks now, or keep the quarantine."""
@@ -116,8 +130,8 @@ class KVReceiver:
         for request_id in self.loop.agent.notifications():
             self._kv_arrived(request_id)
         now = time.monotonic()
-        for reservation in self.book.expire(now):
-            self._expired(reservation)
+        for reservation in self.book.lapsed(now):
+            self._lease_ran_out(reservation)
         for request_id in self.quarantine.expired(now):
             log.warning("quarantine cap passed without the KV notification; blocks freed", request_id=request_id)
             self.loop.engine.abort(request_id)
@@ -139,19 +153,55 @@ class KVReceiver:
         if reservation.admissible:
             self._admit(reservation)
 
-    def _expired(self, reservation: Reservation) -> None:
+    def _lease_ran_out(self, reservation: Reservation) -> None:
+        """The lease: wait at once if the KV is in, else ask the kvstore ("expired" → `decide`). The cap:
+        "lapsed" (the kvstore record is ended, then `decide` drops it). A lease nobody was told of: drop."""
         request_id = reservation.request_id
+        if not reservation.published:
+            self._drop(reservation)
+            return
+        if reservation.extended:
+            log.warning("the KV did not arrive within the cap; dropping the request", request_id=request_id,
+                        cap_s=self.quarantine_s)
+            reservation.lapsed = True
+            self.loop.emit(self.on_event, "lapsed", request_id)
+            return
         self.loop.stats.lease_expiries += 1
         LEASE_EXPIRIES.labels(instance=self.loop.instance_id).inc()
-        log.warning("reservation lease expired before the KV arrived", request_id=request_id)
+        if reservation.kv_ready:                    # claimed and written: only the Decode call is missing
+            self._wait_past_lease(reservation)
+            return
+        reservation.lapsed = True
+        self.loop.emit(self.on_event, "expired", request_id)
+
+    def _decide(self, request_id: str, wait: bool) -> None:
+        reservation = self.book.get(request_id)
+        if reservation is None or not reservation.lapsed:      # admitted, aborted or replaced meanwhile
+            return
+        if wait and not reservation.extended:
+            self._wait_past_lease(reservation)
+            return
+        if not reservation.extended:
+            log.warning("reservation lease expired before any prefill claimed it", request_id=request_id)
+        self._drop(reservation)
+
+    def _wait_past_lease(self, reservation: Reservation) -> None:
+        log.info("lease ran out while the KV is on its way; waiting up to the cap", cap_s=self.quarantine_s,
+                 request_id=reservation.request_id, kv_ready=reservation.kv_ready)
+        self.book.extend(reservation.request_id, time.monotonic() + self.quarantine_s)
+
+    def _drop(self, reservation: Reservation) -> None:
+        """End it for good: free its blocks and fail a waiting Decode call."""
+        request_id = reservation.request_id
+        self.book.pop(request_id)
         waiter = self._waiters.pop(request_id, None)
         if waiter is not None:
             self.loop.resolve(waiter[0], error=DeadlineExceeded(
-                f"the KV of request {request_id} did not arrive within its lease"))
-        self._end(reservation, "expired")
+                f"the KV of request {request_id} did not arrive within its lease (or the cap, once claimed)"))
+        self.loop.engine.abort(request_id)
 
     def _end(self, reservation: Reservation, kind: str) -> None:
-        """A reservation ended before admission: free its blocks, or quarantine them until `settle`."""
+        """A reservation cancelled before admission: free its blocks, or quarantine them until `settle`."""
         request_id = reservation.request_id
         if reservation.published and not reservation.kv_ready:
             self.quarantine.add(request_id, time.monotonic() + self.quarantine_s)

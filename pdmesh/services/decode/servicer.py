@@ -2,10 +2,12 @@
 
 Contracts: Reserve opens the kvstore hand-off (RESERVED), then starts the lease (`publish`), and returns
 where the KV must be written; Decode waits for the KV (the NIXL notification may come before or after
-the call, the lease bounds the wait) and streams the tokens after the first; a Decode or Generate call
-that ends before its request finished (client gone, cancelled) aborts the request, which frees its
-blocks. A reservation that ends early is ended in the kvstore by compare-and-set and its blocks freed or
-quarantined (`handoff.HandoffEnder`); Cancel answers once that is decided. READY and CONSUMED go to the
+the call; the lease bounds the wait, or the quarantine cap once a prefill rank claimed the hand-off),
+sends the initial metadata `ADMITTED_METADATA` once the request is admitted (the gateway waits for it
+before it shows the first token to its client), and streams the tokens after the first; a Decode or
+Generate call that ends before its request finished (client gone, cancelled) aborts the request, which
+frees its blocks. A reservation that ends early is ended in the kvstore by compare-and-set and its blocks
+freed or quarantined (`handoff.HandoffEnder`); Cancel answers once that is decided. READY and CONSUMED go to the
 kvstore in order, best effort (`handoff.HandoffReporter`).
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pdmesh_proto.common.v1 import common_pb2
 from pdmesh_proto.decode.v1 import decode_pb2, decode_pb2_grpc
 
 from pdmesh.services.common.errors import InvalidArgument, MeshError, Unavailable
+from pdmesh.services.common.grpc_server import ADMITTED_METADATA
 from pdmesh.services.common.logging import get_logger
 from pdmesh.services.decode.core import check_first_token
 from pdmesh.services.decode.handoff import HandoffEnder, HandoffReporter
@@ -30,7 +33,6 @@ from pdmesh.services.worker.engine_loop import EngineLoop, RequestStream
 log = get_logger(__name__)
 S = HandoffState
 REPORTS = {"ready": (S.READY, S.TRANSFERRING), "consumed": (S.CONSUMED, S.READY)}    # event → (state, from)
-ENDS = {"expired": S.EXPIRED, "cancelled": S.CANCELLED}
 
 
 def require_id(request_id: str) -> str:
@@ -40,9 +42,13 @@ def require_id(request_id: str) -> str:
 
 
 async def stream_chunks(engine: EngineLoop, stream: RequestStream, context: grpc.aio.ServicerContext,
-                        num_cached_tokens: int | None = None) -> AsyncIterator[decode_pb2.TokenChunk]:
-    """The stream as TokenChunks; if the call ends before the request finished, abort it."""
+                        num_cached_tokens: int | None = None,
+                        admitted: bool = False) -> AsyncIterator[decode_pb2.TokenChunk]:
+    """The stream as TokenChunks (after the `ADMITTED_METADATA` initial metadata if `admitted`); if the call
+    ends before the request finished, abort it."""
     context.add_done_callback(lambda _: None if stream.finished else engine.abort_soon(stream.request_id))
+    if admitted:
+        await context.send_initial_metadata(((ADMITTED_METADATA, "1"),))
     async for steps in stream:
         chunk = chunk_from_steps(steps)
         if num_cached_tokens is not None:
@@ -65,7 +71,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.engine, self.receiver, self.kvstore, self.instance_id = engine, receiver, kvstore, instance_id
         self.agent_name, self.layout, self.default_lease_ms = agent_name, layout, default_lease_ms
         self.handoffs = HandoffReporter(kvstore)
-        self.ender = HandoffEnder(kvstore, receiver.settle)
+        self.ender = HandoffEnder(kvstore, receiver.settle, receiver.decide)
 
     async def close(self) -> None:
         await self.handoffs.close()
@@ -73,8 +79,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     def on_event(self, kind: str, request_id: str) -> None:
         """Engine-thread events (run on the event loop) → kvstore hand-off states."""
-        if kind in ENDS:
-            self.ender.start(request_id, ENDS[kind])
+        if kind == "cancelled":
+            self.ender.start(request_id, S.CANCELLED)
+        elif kind == "expired":
+            self.ender.expire(request_id)
+        elif kind == "lapsed":
+            self.ender.lapse(request_id)
         else:
             self.handoffs.report(request_id, *REPORTS[kind])
 
@@ -111,7 +121,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         first = check_first_token(request.first_token.token_id if request.HasField("first_token") else None,
                                   self.engine.vocab_size)
         stream = await abort_if_cancelled(self.engine, request_id, self.receiver.admit(request_id, first))
-        async for chunk in stream_chunks(self.engine, stream, context, request.num_cached_tokens):
+        async for chunk in stream_chunks(self.engine, stream, context, request.num_cached_tokens, admitted=True):
             yield chunk
 
     async def Generate(self, request: decode_pb2.GenerateRequest, context) -> AsyncIterator[decode_pb2.TokenChunk]:

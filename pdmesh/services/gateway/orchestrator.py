@@ -1,148 +1,63 @@
 """One request end to end over the workers' gRPC APIs, as a stream of engine-neutral events.
 
-disagg (a prefill rank is up): decode.Reserve → prefill.Prefill(target) → the first token goes out
-at once → decode.Decode(first token) streams the rest. agg, or no prefill rank up: decode.Generate.
+disagg (a prefill rank is up): admission (a slot of a prefill rank, FCFS at the gateway) → decode.Reserve
+→ prefill.Prefill(target) → slot released → decode.Decode(first token) → the first token goes out once
+decode admitted the request → the Decode stream carries the rest. agg, or no prefill rank up:
+decode.Generate.
 
 Contracts:
+- At most `max_prefill_inflight` requests per prefill rank are between Reserve and the end of their
+  Prefill; the others wait at the gateway, before Reserve (`PrefillAdmission`), so decode blocks are
+  never held for prompts queued in a prefill engine. A client that leaves while its request waits there
+  leaves no trace on any worker.
+- Reserve answering RESOURCE_EXHAUSTED (pool short) is retried, other decode ranks first, with backoff,
+  until the request's timeout (then `Overloaded`, 503); only no ready decode rank at all is 503 at once.
 - The first token of the disaggregated path comes from PrefillResponse; decode's Decode stream
-  carries the tokens after it (the last chunk may carry no tokens, only the finish).
+  carries the tokens after it (the last chunk may carry no tokens, only the finish). It is shown only
+  once Decode admitted the request (`wait_admitted`), so no request fails after its first token
+  because of its hand-off.
 - Stop strings are applied here (`TextStream`); workers only see stop token ids.
 - Closing the event iterator early (client gone) or a stop-string hit cancels the decode stream
   (that aborts the request on decode); a Prefill still in flight is cancelled and its reservation
   released with decode.Cancel.
-- Retries (tenacity) only happen before the first event: Reserve/Generate failing UNAVAILABLE or
-  RESOURCE_EXHAUSTED moves to another decode rank, a failing Prefill (UNAVAILABLE, or ABORTED: the
-  reservation ended before the KV was ready) to another prefill rank, with a new Reserve under the same
-  request id (the kvstore replaces the ended hand-off record).
+- Retries only happen before the first event: Reserve/Generate failing UNAVAILABLE moves to another
+  decode rank, a failing Prefill (UNAVAILABLE) to another prefill rank, up to `max_attempts` tries; a
+  lost hand-off (`HandoffLost`: Prefill ABORTED, Decode NOT_FOUND / DEADLINE_EXCEEDED before admission)
+  is retried `handoff_retries` times on any rank. A retry is a new Reserve under the same request id
+  (the kvstore replaces the ended hand-off record; the prefill's prefix cache makes it cheap).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import grpc
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from pdmesh.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdmesh.services.common import errors
 from pdmesh.services.common.grpc_server import channel, request_metadata
 from pdmesh.services.common.logging import get_logger
-from pdmesh.services.gateway.core import GenerationEvent, GenerationRequest, TextStream, TokenLogprob, Usage
+from pdmesh.services.gateway.admission import PrefillAdmission
+from pdmesh.services.gateway.core import GenerationEvent, GenerationRequest, TextStream, Usage
 from pdmesh.services.gateway.router import NoInstance, Router
+from pdmesh.services.gateway.upstream import (Chunk, GatewayMetrics, HandoffLost, Overloaded, Upstream,
+                                              chunk_of, logprob_of, map_rpc_error, sampling_proto, wait_admitted)
 from pdmesh_proto.common.v1 import common_pb2
 from pdmesh_proto.decode.v1 import decode_pb2, decode_pb2_grpc
 from pdmesh_proto.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 
+__all__ = ["GatewayMetrics", "Orchestrator"]
 log = get_logger(__name__)
-_FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-           common_pb2.FINISH_REASON_ABORT: "abort"}
-_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
-           grpc.StatusCode.OUT_OF_RANGE: errors.InvalidArgument,
-           grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
-           grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
-           grpc.StatusCode.UNAVAILABLE: errors.Unavailable, grpc.StatusCode.CANCELLED: errors.Unavailable,
-           grpc.StatusCode.NOT_FOUND: errors.Unavailable,      # a worker lost the request (e.g. lease expired)
-           grpc.StatusCode.ABORTED: errors.Unavailable,        # prefill lost the hand-off (lease ended first)
-           grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded}
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-
-
-def map_rpc_error(error: grpc.aio.AioRpcError, where: str) -> errors.MeshError:
-    """A worker's status as the domain error the transports map to HTTP/gRPC statuses."""
-    cls = _ERRORS.get(error.code(), errors.MeshError)
-    return cls(f"{where}: {error.details() or error.code().name}")
+RETRY_BACKOFF_S, MAX_BACKOFF_S = 0.02, 0.5         # first wait before a retry, doubling up to the cap
+DEFAULT_MAX_PREFILL_INFLIGHT = 2
 
 
 def _retryable(error: BaseException) -> bool:
-    return isinstance(error, (errors.Unavailable, errors.ResourceExhausted)) and not isinstance(error, NoInstance)
-
-
-class GatewayMetrics:
-    """The gateway's Prometheus metrics; one set per registry (`for_registry`)."""
-
-    _by_registry: dict[int, GatewayMetrics] = {}
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.requests = Counter("pdmesh_requests", "Requests by final status", ["status"], registry=registry)
-        self.ttft = Histogram("pdmesh_time_to_first_token_seconds", "Time to first token", registry=registry,
-                              buckets=_LATENCY_BUCKETS)
-        self.tpot = Histogram("pdmesh_time_per_output_token_seconds", "Time per output token after the first",
-                              registry=registry, buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))
-        self.e2e = Histogram("pdmesh_e2e_request_latency_seconds", "Request latency", registry=registry,
-                             buckets=_LATENCY_BUCKETS)
-        self.in_flight = Gauge("pdmesh_requests_in_flight", "Requests being generated", registry=registry)
-        self.prompt_tokens = Counter("pdmesh_prompt_tokens", "Prompt tokens", registry=registry)
-        self.generation_tokens = Counter("pdmesh_generation_tokens", "Generated tokens", registry=registry)
-        self.cached_tokens = Counter("pdmesh_cached_prompt_tokens", "Prompt tokens served from a prefix cache",
-                                     registry=registry)
-
-    @classmethod
-    def for_registry(cls, registry: CollectorRegistry | None = None) -> GatewayMetrics:
-        registry = registry or REGISTRY
-        if id(registry) not in cls._by_registry:
-            cls._by_registry[id(registry)] = cls(registry)
-        return cls._by_registry[id(registry)]
-
-    def rejected(self, error: errors.MeshError) -> None:
-        """A request refused before generation (validation, unknown model)."""
-        self.requests.labels(status=error.error_type).inc()
-
-
-@dataclass
-class _Chunk:
-    """A worker's TokenChunk (or the prefill's first token), engine-neutral."""
-
-    token_ids: list[int]
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_token_id: int = 0
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-
-
-def _logprob(lp: common_pb2.TokenLogprob) -> TokenLogprob:
-    return TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
-
-
-def _chunk(msg: decode_pb2.TokenChunk) -> _Chunk:
-    return _Chunk(list(msg.token_ids), [_logprob(lp) for lp in msg.logprobs], _FINISH.get(msg.finish_reason),
-                  msg.stop_token_id, msg.num_prompt_tokens, msg.num_cached_tokens)
-
-
-def sampling_proto(req: GenerationRequest) -> common_pb2.SamplingParams:
-    """The worker-side settings (stop strings stay at the gateway)."""
-    p = req.params
-    proto = common_pb2.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k,
-                                      top_p=p.top_p, min_p=p.min_p, stop_token_ids=list(p.stop_token_ids),
-                                      ignore_eos=p.ignore_eos, min_tokens=p.min_tokens)
-    if p.seed is not None:
-        proto.seed = p.seed - (1 << 64) if p.seed >= 1 << 63 else p.seed   # uint64 seeds wrap into int64
-    if p.logprobs is not None:
-        proto.logprobs = p.logprobs
-    return proto
-
-
-class _Upstream:
-    """The decode stream of one request, with the chunks already in hand (first token, first read)."""
-
-    def __init__(self, call: grpc.aio.UnaryStreamCall, where: str, pending: list[_Chunk]) -> None:
-        self.call, self.where, self.pending = call, where, pending
-
-    async def next(self) -> _Chunk | None:
-        if self.pending:
-            return self.pending.pop(0)
-        try:
-            msg = await self.call.read()
-        except grpc.aio.AioRpcError as e:
-            raise map_rpc_error(e, self.where) from None
-        return None if msg is grpc.aio.EOF else _chunk(msg)
-
-    def close(self) -> None:
-        if not self.call.done():
-            self.call.cancel()
+    return isinstance(error, (errors.Unavailable, errors.ResourceExhausted)) and \
+        not isinstance(error, (NoInstance, Overloaded))
 
 
 class _Run:
@@ -156,7 +71,7 @@ class _Run:
         self.started, self.first_at, self.ended = time.monotonic(), 0.0, 0.0
         self.finished = False
 
-    def event(self, chunk: _Chunk) -> GenerationEvent | None:
+    def event(self, chunk: Chunk) -> GenerationEvent | None:
         """The event for one chunk (None if it carries nothing to tell)."""
         ids, lps, text = [], [], ""
         for k, token_id in enumerate(chunk.token_ids):
@@ -190,15 +105,19 @@ class Orchestrator:
 
     def __init__(self, router: Router, tokenizer: Tokenizer, *, mode: str = "disagg",
                  request_timeout_s: float = 300.0, metrics: GatewayMetrics | None = None,
-                 max_attempts: int = 3) -> None:
+                 max_attempts: int = 3, max_prefill_inflight: int = DEFAULT_MAX_PREFILL_INFLIGHT,
+                 handoff_retries: int = 1) -> None:
         if mode not in ("disagg", "agg"):
             raise ValueError(f"mode must be 'disagg' or 'agg', got {mode!r}")
         self.router, self.tokenizer, self.mode = router, tokenizer, mode
         self.request_timeout_s, self.max_attempts = request_timeout_s, max_attempts
+        self.handoff_retries = handoff_retries
+        self.admission = PrefillAdmission(max_prefill_inflight)
         self.metrics = metrics or GatewayMetrics.for_registry()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._background: set[asyncio.Task] = set()
-        self.active = 0                          # requests being generated now
+        self.active = 0                          # requests being generated now (waiting ones included)
+        self.waiting = 0                         # ... of which waiting at the gateway (prefill slot, decode blocks)
 
     # ----- plumbing -----
     def _channel(self, address: str) -> grpc.aio.Channel:
@@ -241,7 +160,7 @@ class Orchestrator:
         """Events of one request; the last has finish_reason and usage. Close early to cancel."""
         run = _Run(req, self.tokenizer)
         deadline = asyncio.get_running_loop().time() + self.request_timeout_s
-        upstream: _Upstream | None = None
+        upstream: Upstream | None = None
         status = "cancelled"
         self.metrics.in_flight.inc()
         self.active += 1
@@ -279,18 +198,33 @@ class Orchestrator:
                 m.tpot.observe((run.ended - run.first_at) / (run.num_tokens - 1))
         m.generation_tokens.inc(run.num_tokens)
 
-    async def _start(self, req: GenerationRequest, deadline: float) -> _Upstream:
-        """Open the request's decode stream; retried on another rank while nothing was sent."""
+    async def _start(self, req: GenerationRequest, deadline: float) -> Upstream:
+        """Open the request's decode stream; retried while nothing was sent to the client: a failing rank
+        (UNAVAILABLE, RESOURCE_EXHAUSTED) up to `max_attempts` times, on another rank; a lost hand-off
+        (`HandoffLost`) `handoff_retries` times, as a new request on any rank."""
         excluded: set[str] = set()
-        retrying = AsyncRetrying(stop=stop_after_attempt(self.max_attempts), reraise=True,
-                                 wait=wait_exponential(multiplier=0.02, max=0.5), retry=retry_if_exception(_retryable))
-        async for attempt in retrying:
-            with attempt:
-                prefills = [i for i in self.router.ready("prefill") if i.instance_id not in excluded]
-                if self.mode == "disagg" and prefills:
-                    return await self._start_disagg(req, deadline, excluded)
-                return await self._start_agg(req, deadline, excluded)
-        raise AssertionError("unreachable")   # pragma: no cover - AsyncRetrying reraises
+        failures = lost = 0
+        while True:
+            try:
+                return await self._start_once(req, deadline, excluded)
+            except HandoffLost as e:
+                lost += 1
+                if lost > self.handoff_retries:
+                    raise
+                log.info("hand-off lost before the first token; retrying the request", request_id=req.request_id,
+                         reason=str(e))
+            except (errors.Unavailable, errors.ResourceExhausted) as e:
+                failures += 1
+                if not _retryable(e) or failures >= self.max_attempts:
+                    raise
+                await asyncio.sleep(min(RETRY_BACKOFF_S * 2 ** failures, MAX_BACKOFF_S))
+
+    async def _start_once(self, req: GenerationRequest, deadline: float, excluded: set[str]) -> Upstream:
+        if self.mode == "disagg":
+            rank = await self._admit(deadline, excluded)
+            if rank is not None:
+                return await self._start_disagg(req, deadline, excluded, rank)
+        return await self._start_agg(req, deadline, excluded)
 
     def _timeout(self, deadline: float) -> float:
         left = deadline - asyncio.get_running_loop().time()
@@ -298,7 +232,30 @@ class Orchestrator:
             raise errors.DeadlineExceeded(f"request timed out after {self.request_timeout_s:g}s")
         return left
 
-    async def _start_agg(self, req: GenerationRequest, deadline: float, excluded: set[str]) -> _Upstream:
+    @contextlib.contextmanager
+    def _waiting(self) -> Iterator[None]:
+        """Counts the request as waiting at the gateway (for a prefill slot or for decode blocks)."""
+        self.waiting += 1
+        self.metrics.waiting.inc()
+        try:
+            yield
+        finally:
+            self.waiting -= 1
+            self.metrics.waiting.dec()
+
+    async def _admit(self, deadline: float, excluded: set[str]) -> str | None:
+        """A slot of a ready prefill rank, FCFS (`PrefillAdmission`); None when no prefill rank is usable."""
+        def ranks() -> list[str]:
+            return [i.instance_id for i in self.router.ready("prefill") if i.instance_id not in excluded]
+
+        with self._waiting():
+            try:
+                return await asyncio.wait_for(self.admission.acquire(ranks), self._timeout(deadline))
+            except asyncio.TimeoutError:
+                raise Overloaded(f"no prefill slot was free within the request timeout "
+                                 f"({self.request_timeout_s:g}s)") from None
+
+    async def _start_agg(self, req: GenerationRequest, deadline: float, excluded: set[str]) -> Upstream:
         decode = self.router.pick_decode(excluded)
         where = f"decode {decode.instance_id}"
         call = self._decode(decode.address).Generate(
@@ -314,37 +271,66 @@ class Orchestrator:
         except BaseException:
             call.cancel()
             raise
-        return _Upstream(call, where, [] if first is grpc.aio.EOF else [_chunk(first)])
+        return Upstream(call, where, [] if first is grpc.aio.EOF else [chunk_of(first)])
 
-    async def _start_disagg(self, req: GenerationRequest, deadline: float, excluded: set[str]) -> _Upstream:
-        prefill = self.router.pick_prefill(excluded)
-        decode = self.router.pick_decode(excluded)
-        stub, md = self._decode(decode.address), request_metadata(req.request_id)
+    async def _start_disagg(self, req: GenerationRequest, deadline: float, excluded: set[str],
+                            rank: str) -> Upstream:
+        """Reserve → Prefill while holding the admission slot of `rank`, then Decode."""
+        try:
+            prefill = next((i for i in self.router.ready("prefill") if i.instance_id == rank), None)
+            if prefill is None:
+                raise errors.Unavailable(f"prefill {rank} left the mesh")
+            decode, stub, target = await self._reserve(req, deadline, excluded)
+            first = await self._prefill_once(req, prefill, target, stub, deadline, excluded)
+        finally:
+            self.admission.release(rank)
+        return await self._decode_call(req, decode, stub, first, deadline, excluded)
+
+    async def _reserve(self, req: GenerationRequest, deadline: float,
+                       excluded: set[str]) -> tuple[Any, decode_pb2_grpc.DecodeStub, common_pb2.KVTarget]:
+        """Blocks on a ready decode rank, the least loaded first. A rank short of blocks (RESOURCE_EXHAUSTED)
+        is tried again after the others, with backoff, until the deadline (then `Overloaded`); an unavailable
+        one is excluded (`NoInstance` once no rank is left)."""
+        delay = RETRY_BACKOFF_S
+        while True:
+            full: set[str] = set()
+            while True:
+                try:
+                    decode = self.router.pick_decode(excluded | full)
+                except NoInstance:
+                    if not full:
+                        raise
+                    break
+                try:
+                    stub = self._decode(decode.address)
+                    return decode, stub, await self._reserve_on(stub, decode, req, deadline)
+                except errors.ResourceExhausted:
+                    full.add(decode.instance_id)
+                except errors.Unavailable:
+                    excluded.add(decode.instance_id)
+            with self._waiting():
+                await asyncio.sleep(min(delay, max(deadline - asyncio.get_running_loop().time(), 0.0)))
+            if deadline <= asyncio.get_running_loop().time():
+                raise Overloaded(f"no decode rank had free KV blocks within the request timeout "
+                                 f"({self.request_timeout_s:g}s)")
+            delay = min(delay * 2, MAX_BACKOFF_S)
+
+    async def _reserve_on(self, stub: decode_pb2_grpc.DecodeStub, decode, req: GenerationRequest,
+                          deadline: float) -> common_pb2.KVTarget:
         try:
             reserved = await stub.Reserve(decode_pb2.ReserveRequest(
                 request_id=req.request_id, prompt_token_ids=req.prompt_ids, sampling=sampling_proto(req)),
-                timeout=self._timeout(deadline), metadata=md)
+                timeout=self._timeout(deadline), metadata=request_metadata(req.request_id))
         except grpc.aio.AioRpcError as e:
-            excluded.add(decode.instance_id)
             raise map_rpc_error(e, f"decode {decode.instance_id}") from None
         self.router.note_sent(decode.instance_id)
-        first = await self._prefill_once(req, prefill, reserved.target, stub, deadline, excluded)
-        try:
-            timeout = self._timeout(deadline)
-        except errors.DeadlineExceeded:
-            self._spawn(self._release(stub, req.request_id))
-            raise
-        call = stub.Decode(decode_pb2.DecodeRequest(request_id=req.request_id, first_token=first.first_token,
-                                                    num_cached_tokens=first.num_cached_tokens),
-                           timeout=timeout, metadata=md)
-        lps = [_logprob(first.first_token)] if req.params.logprobs is not None else []
-        head = _Chunk([first.first_token.token_id], lps, num_cached_tokens=first.num_cached_tokens)
-        return _Upstream(call, f"decode {decode.instance_id}", [head])
+        return reserved.target
 
     async def _prefill_once(self, req: GenerationRequest, prefill, target: common_pb2.KVTarget,
                             decode_stub: decode_pb2_grpc.DecodeStub, deadline: float,
                             excluded: set[str]) -> prefill_pb2.PrefillResponse:
-        """Prefill into the reserved blocks; on failure or cancellation release the reservation."""
+        """Prefill into the reserved blocks; on failure or cancellation release the reservation. ABORTED
+        (the reservation ended before the KV was ready) is `HandoffLost`: the rank is fine."""
         self.router.prefill_started(prefill.instance_id)
         call = None
         try:
@@ -353,9 +339,12 @@ class Orchestrator:
                 target=target), timeout=self._timeout(deadline), metadata=request_metadata(req.request_id))
             return await call
         except grpc.aio.AioRpcError as e:
-            excluded.add(prefill.instance_id)
             await self._release(decode_stub, req.request_id)     # before a retry may reserve the id again
-            raise map_rpc_error(e, f"prefill {prefill.instance_id}") from None
+            where = f"prefill {prefill.instance_id}"
+            if e.code() == grpc.StatusCode.ABORTED:
+                raise HandoffLost(f"{where}: {e.details()}") from None
+            excluded.add(prefill.instance_id)
+            raise map_rpc_error(e, where) from None
         except BaseException:                                      # cancelled: the client went away
             if call is not None:
                 call.cancel()
@@ -363,3 +352,31 @@ class Orchestrator:
             raise
         finally:
             self.router.prefill_finished(prefill.instance_id)
+
+    async def _decode_call(self, req: GenerationRequest, decode, stub: decode_pb2_grpc.DecodeStub,
+                           first: prefill_pb2.PrefillResponse, deadline: float, excluded: set[str]) -> Upstream:
+        """decode.Decode with the first token, returned once decode admitted the request (so that the first
+        token is never shown for a request that then fails: until then a failure is retried invisibly)."""
+        try:
+            timeout = self._timeout(deadline)
+        except errors.DeadlineExceeded:
+            self._spawn(self._release(stub, req.request_id))
+            raise
+        where = f"decode {decode.instance_id}"
+        call = stub.Decode(decode_pb2.DecodeRequest(request_id=req.request_id, first_token=first.first_token,
+                                                    num_cached_tokens=first.num_cached_tokens),
+                           timeout=timeout, metadata=request_metadata(req.request_id))
+        try:
+            read = await wait_admitted(call, where)
+        except errors.MeshError as e:
+            if not isinstance(e, HandoffLost):
+                excluded.add(decode.instance_id)
+                await self._release(stub, req.request_id)
+            raise
+        except BaseException:
+            call.cancel()
+            raise
+        lps = [logprob_of(first.first_token)] if req.params.logprobs is not None else []
+        head = Chunk([first.first_token.token_id], lps, num_cached_tokens=first.num_cached_tokens)
+        return Upstream(call, where, [head, *read])
+

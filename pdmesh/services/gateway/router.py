@@ -4,7 +4,8 @@ Policy: only `ready` instances are routable.
 - decode: fewest requests, counted as the rank's last heartbeat (`running` + `waiting`) plus the
   requests this gateway sent it since that heartbeat (heartbeats lag; without this, a burst would
   all go to the same idle rank).
-- prefill: fewest requests this gateway has in flight on it.
+- prefill: fewest requests this gateway has in flight on it. (The orchestrator admits requests to
+  prefill ranks through `admission.PrefillAdmission`, the same policy with a per-rank cap and a queue.)
 Ties are broken in turn: the first tied instance (by id) after the one picked last time for that
 role, so equal ranks take requests round robin. No candidate → `NoInstance` (503).
 """

@@ -21,7 +21,7 @@ from pdmesh.services.common.logging import get_logger
 from pdmesh.services.common.options import CommonConfig, add_common_arguments, common_from_args
 from pdmesh.services.common.registry import InstanceInfo, Registry, connect, heartbeat_forever
 from pdmesh.services.gateway.core import ModelInfo
-from pdmesh.services.gateway.orchestrator import GatewayMetrics, Orchestrator
+from pdmesh.services.gateway.orchestrator import DEFAULT_MAX_PREFILL_INFLIGHT, GatewayMetrics, Orchestrator
 from pdmesh.services.gateway.rest import create_app
 from pdmesh.services.gateway.router import Router, refresh_forever
 from pdmesh.services.gateway.servicer import SERVICE_NAME, GenerateServicer, add_to_server
@@ -40,6 +40,7 @@ class GatewayConfig:
     request_timeout_s: float = 300.0
     max_model_len: int | None = None      # default: the model's max_position_embeddings
     refresh_s: float = 0.5                # how often the registry is read for routing
+    max_prefill_inflight: int = DEFAULT_MAX_PREFILL_INFLIGHT   # per prefill rank, Reserve to end of Prefill
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -50,6 +51,8 @@ class GatewayConfig:
             raise ValueError(f"--request-timeout-s must be positive, got {self.request_timeout_s}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        if self.max_prefill_inflight < 1:
+            raise ValueError(f"--max-prefill-inflight must be >= 1, got {self.max_prefill_inflight}")
 
     @property
     def model_name(self) -> str:
@@ -67,12 +70,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "agg: decode ranks do everything")
     g.add_argument("--request-timeout-s", type=float, default=300.0)
     g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-prefill-inflight", type=int, default=DEFAULT_MAX_PREFILL_INFLIGHT,
+                   help="requests per prefill rank between their decode Reserve and the end of their Prefill; "
+                        "the others wait at the gateway (FCFS) without holding decode blocks")
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(model_dir=args.model, common=common_from_args(args), served_model_name=args.served_model_name,
                          http_port=args.http_port, mode=args.mode, request_timeout_s=args.request_timeout_s,
-                         max_model_len=args.max_model_len)
+                         max_model_len=args.max_model_len, max_prefill_inflight=args.max_prefill_inflight)
 
 
 def load_model_info(config: GatewayConfig) -> ModelInfo:
@@ -112,7 +118,8 @@ async def serve(config: GatewayConfig, ready: asyncio.Event | None = None) -> No
     registry = Registry(redis, common.deployment)
     router = Router()
     orchestrator = Orchestrator(router, tokenizer, mode=config.mode, request_timeout_s=config.request_timeout_s,
-                                metrics=GatewayMetrics.for_registry())
+                                metrics=GatewayMetrics.for_registry(),
+                                max_prefill_inflight=config.max_prefill_inflight)
     servicer = GenerateServicer(orchestrator, tokenizer, model)
     grpc_server = await start_grpc_server(common.host, common.port, [lambda s: add_to_server(servicer, s)],
                                           [SERVICE_NAME])
@@ -123,7 +130,7 @@ async def serve(config: GatewayConfig, ready: asyncio.Event | None = None) -> No
     def report() -> InstanceInfo:
         return InstanceInfo(instance_id=instance_id, role="gateway", address=common.address(grpc_server.port),
                             model=model.name, ready=True,
-                            stats={"running": orchestrator.active,
+                            stats={"running": orchestrator.active, "waiting": orchestrator.waiting,
                                    "http_port": http_port})
 
     tasks = [asyncio.ensure_future(refresh_forever(router, registry.instances, config.refresh_s)),
