@@ -41,6 +41,7 @@ class MeshOptions:
     decode_dep: int = 1                    # ranks per decode instance (DEP)
     num_redundant_experts: int = 0         # extra expert slots per MoE layer of DEP instances
     dp_sync: str | None = None             # DEP instances' per-step all-reduce (None: the default)
+    max_prefill_inflight: int | None = None   # gateway admission per prefill rank (None: the gateway's default)
 
     def __post_init__(self) -> None:
         if self.mode not in ("disagg", "agg"):
@@ -107,6 +108,8 @@ def plan_mesh(options: MeshOptions, redis_url: str, port_of=free_port, block_of=
             specs.append(ServiceSpec(name, role, f"{host}:{port}", argv, metrics, ranks))
     gateway_argv = common("gateway", "gateway-0", options.grpc_port, None) + (
         "--model", str(options.model_dir), "--http-port", str(options.http_port), "--mode", options.mode)
+    if options.max_prefill_inflight is not None:
+        gateway_argv += ("--max-prefill-inflight", str(options.max_prefill_inflight))
     specs.append(ServiceSpec("gateway-0", "gateway", f"{host}:{options.grpc_port}", gateway_argv))
     return specs
 

@@ -32,6 +32,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port (SDK)")
     p.add_argument("--redis-url", default=None, help="use this Redis (default: start a private one)")
     p.add_argument("--deployment", default="default", help="namespace of this mesh's Redis keys")
+    p.add_argument("--max-prefill-inflight", type=int, default=None,
+                   help="requests per prefill rank between Reserve and the end of Prefill; others queue at the "
+                        "gateway (default: the gateway's)")
     p.add_argument("--log-dir", type=Path, default=None, help="service logs (default: a new temp folder)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--startup-timeout", type=float, default=600.0)
@@ -47,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
                           mode=args.mode, host=args.host, http_port=args.port, grpc_port=args.grpc_port,
                           redis_url=args.redis_url, deployment=args.deployment, log_dir=log_dir,
                           log_level=args.log_level, prefill_dep=args.prefill_dep, decode_dep=args.decode_dep,
-                          num_redundant_experts=args.num_redundant_experts, dp_sync=args.dp_sync)
+                          num_redundant_experts=args.num_redundant_experts, dp_sync=args.dp_sync,
+                          max_prefill_inflight=args.max_prefill_inflight)
     if args.torch_threads is None:     # worker ranks share this machine's cores
         args.torch_threads = max(1, (os.cpu_count() or 1) // max(1, options.num_worker_processes))
     options = replace(options, worker_args=tuple(engine_argv(args)))

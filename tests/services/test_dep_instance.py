@@ -133,3 +133,13 @@ def test_another_ranks_stop_ends_the_loop() -> None:
         return reason
 
     assert _run(scenario()) == "another rank of this DEP instance stopped"
+
+
+def test_launcher_passes_gateway_admission_only_when_set() -> None:
+    def gateway_argv(**kw) -> tuple[str, ...]:
+        specs = plan_mesh(MeshOptions(model_dir=Path("/m"), **kw), "redis://127.0.0.1:1/0")
+        return next(s.argv for s in specs if s.role == "gateway")
+
+    argv = gateway_argv(max_prefill_inflight=3)
+    assert argv[argv.index("--max-prefill-inflight") + 1] == "3"
+    assert "--max-prefill-inflight" not in gateway_argv()
