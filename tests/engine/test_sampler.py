@@ -90,7 +90,7 @@ def test_min_p_removes_unlikely_tokens() -> None:
     probs = torch.softmax(logits, -1)
     min_p = 0.5
     allowed = probs >= min_p * probs.max()
-    assert 1 < int(allowed.sum()) < 6  # the test filters some but not all
+    assert int(allowed.sum()) in range(2, 6)  # the test filters some but not all
     tokens = draw(logits, P(min_p=min_p), 5000)
     seen = torch.bincount(tokens, minlength=6) > 0
     assert torch.equal(seen, allowed)  # filtered never appear, all survivors do
