@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from pdmesh.bench.machine import (DecodeCostModel, measure_peaks, percentile, roofline, rss_snapshot,
+from pdmesh.bench.machine import (DecodeCostModel, measure_peaks, percentile, roofline, rss_snapshot, time_calls,
                                   set_threads)
 from pdmesh.cli.options import add_engine_options, engine_config, resolve_model
 from pdmesh.engine.config import ModelConfig
@@ -110,17 +110,6 @@ def forward_fn(runner: ModelRunner, batch: ForwardBatch) -> Callable[[], torch.T
     return run_once
 
 
-def time_forward(fn: Callable[[], Any], repeats: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
-
-
 def _module_labels() -> dict[type, str]:
     from pdmesh.engine.model.layers import DenseMLP, MLAttention, RMSNorm
     from pdmesh.engine.model.moe import MoE, Router
@@ -202,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     fn = forward_fn(runner, batch)
     print(f"bench forward: {args.phase} batch={args.batch} context={args.context}: "
           f"{args.warmup} warmup + {args.repeats} timed forwards", file=sys.stderr)
-    times = time_forward(fn, args.repeats, args.warmup)
+    times = time_calls(fn, args.repeats, args.warmup)
     result = summarize(args, runner, batch, times)
     if args.phase == "decode":
         peaks = measure_peaks(args.quick)

@@ -51,7 +51,8 @@ class MachinePeaks:
         return asdict(self)
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+def time_calls(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
+    """Seconds of each of `repeats` calls of `fn`, after `warmup` untimed calls."""
     for _ in range(warmup):
         fn()
     times = []
@@ -59,7 +60,11 @@ def _median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> 
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    return statistics.median(time_calls(fn, repeats, warmup))
 
 
 def measure_matmul_flops(n: int = 2048, repeats: int = 7) -> float:

@@ -8,7 +8,6 @@ decode ranks; each rank holds its share of the routed experts' weights.
 """
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from meshlib import http_url, worker_status
+from meshlib import http_url, wait_idle
 from pdmesh.launcher import Mesh, MeshOptions
 from pdmesh.services.common.redis_server import free_port
 
@@ -62,17 +61,6 @@ def dep_mesh(request, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
     mesh.stop()
 
 
-def _wait_idle(mesh: Mesh, timeout_s: float = 30.0) -> dict[str, list]:
-    """Every rank's status once none runs, waits or holds a block (or the last seen)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        statuses = {role: worker_status(mesh, role) for role in ("prefill", "decode")}
-        busy = [s for group in statuses.values() for s in group if s.num_running or s.num_waiting or s.kv_blocks_used]
-        if not busy or time.monotonic() > deadline:
-            return statuses
-        time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
 def served(dep_mesh: Mesh) -> dict:
     """PROMPTS sent at once (several decode ranks busy together), then every rank's status when idle."""
@@ -84,7 +72,7 @@ def served(dep_mesh: Mesh) -> dict:
 
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         outs = dict(zip(PROMPTS, pool.map(complete, PROMPTS)))
-    return {"outs": outs, "status": _wait_idle(dep_mesh)}
+    return {"outs": outs, "status": wait_idle(dep_mesh)}
 
 
 def test_concurrent_greedy_outputs_equal_offline_engine(served: dict, offline: dict) -> None:

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from meshlib import grpc_address, http_url, worker_status
+from meshlib import grpc_address, http_url, wait_idle, worker_status
 
 PROMPTS = [
     "The quick brown fox",
@@ -46,19 +46,8 @@ def _completion(client: OpenAI, mesh, prompt: str, **kw):
                                      extra_body={"ignore_eos": True}, **kw)
 
 
-def _wait_idle(mesh, timeout_s: float = 20.0) -> dict[str, list]:
-    """Worker statuses once no request is running or waiting and no block is held (or the last seen)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        statuses = {role: worker_status(mesh, role) for role in ("prefill", "decode")}
-        busy = [s for group in statuses.values() for s in group if s.num_running or s.num_waiting or s.kv_blocks_used]
-        if not busy or time.monotonic() > deadline:
-            return statuses
-        time.sleep(0.2)
-
-
 def _assert_no_leaks(mesh) -> None:
-    for role, group in _wait_idle(mesh).items():
+    for role, group in wait_idle(mesh).items():
         for status in group:
             assert status.integrity_checked and status.integrity_error == "", (role, status.integrity_error)
             assert status.kv_blocks_used == 0, (role, status.instance_id, status.kv_blocks_used)
