@@ -84,7 +84,7 @@ class ModelRunner:
         self.sampler = Sampler(seed=config.seed)
         moe = self.model.moe_layers
         self.expert_load = ExpertLoadRecorder(len(moe), moe[0].placement.num_physical,
-                                              config.expert_load_window) if moe else None
+                                              config.expert_load_window, self.device) if moe else None
         for layer in moe:
             layer.recorder = self.expert_load
 

@@ -123,15 +123,18 @@ class LocalDispatcher(ExpertDispatcher):
 class ExpertLoadRecorder:
     """Tokens routed to each physical slot, per MoE layer, for the last `window` steps (a ring)."""
 
-    def __init__(self, num_layers: int, num_physical: int, window: int = 1000) -> None:
+    def __init__(self, num_layers: int, num_physical: int, window: int = 1000,
+                 device: torch.device | str = "cpu") -> None:
         if window < 1:
             raise ValueError(f"expert load window must be >= 1, got {window}")
-        self.counts = torch.zeros(window, num_layers, num_physical, dtype=torch.int64)
+        # Kept on the model's device: recording is a scatter-add there, with no host sync in the step.
+        self.counts = torch.zeros(window, num_layers, num_physical, dtype=torch.int64, device=device)
         self.step = 0              # steps recorded so far; the current row is step % window
-        self._current = torch.zeros(num_layers, num_physical, dtype=torch.int64)
+        self._current = torch.zeros(num_layers, num_physical, dtype=torch.int64, device=device)
 
     def record(self, layer: int, slot_ids: torch.Tensor) -> None:
-        self._current[layer] += torch.bincount(slot_ids.flatten().cpu(), minlength=self._current.shape[1])
+        ids = slot_ids.flatten()
+        self._current[layer].scatter_add_(0, ids, torch.ones_like(ids))
 
     def end_step(self) -> None:
         self.counts[self.step % self.counts.shape[0]] = self._current
