@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdmesh.services.common.redis_server import EmbeddedRedis, free_port, free_port_block
+from pdmesh_service.redis_server import EmbeddedRedis, free_port, free_port_block
 
 ROLE_ORDER = ("kvstore", "prefill", "decode", "gateway")
 

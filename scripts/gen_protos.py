@@ -1,10 +1,10 @@
 """Generate the Python code (messages, gRPC stubs, type stubs) of every proto under protos/.
 
-    python scripts/gen_protos.py           # write sdk/pdmesh_proto/**/*_pb2*.py(i)
+    python scripts/gen_protos.py           # write protos/pdmesh_proto/**/*_pb2*.py(i) beside the .proto files
     python scripts/gen_protos.py --check   # exit 1 if the committed code is stale
 
-The generated package `pdmesh_proto` ships with the client distribution in sdk/ (light: grpcio and
-protobuf), and the services import it from there too: one copy of each message in a process.
+The generated package `pdmesh_proto` is its own distribution (protos/, light: grpcio and protobuf); the
+client SDK and every service depend on it, so a process holds one copy of each message.
 Generated files are never edited by hand.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
-SDK_ROOT = ROOT / "sdk"
+OUT_ROOT = PROTO_ROOT
 OUT_PACKAGE = "pdmesh_proto"
 
 
@@ -44,21 +44,22 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         files = generate(Path(tmp))
-        committed = sorted(p.relative_to(SDK_ROOT) for p in (SDK_ROOT / OUT_PACKAGE).rglob("*")
-                           if p.is_file() and "__pycache__" not in p.parts)
+        committed = sorted(p.relative_to(OUT_ROOT) for p in (OUT_ROOT / OUT_PACKAGE).rglob("*")
+                           if p.is_file() and p.suffix != ".proto" and "__pycache__" not in p.parts)
         if args.check:
             stale = [str(f) for f in files
-                     if not (SDK_ROOT / f).exists() or not filecmp.cmp(Path(tmp) / f, SDK_ROOT / f, False)]
+                     if not (OUT_ROOT / f).exists() or not filecmp.cmp(Path(tmp) / f, OUT_ROOT / f, False)]
             stale += [str(f) for f in committed if f not in files]
             if stale:
                 print("stale generated code (run scripts/gen_protos.py):", *stale, sep="\n  ", file=sys.stderr)
                 return 1
             return 0
-        shutil.rmtree(SDK_ROOT / OUT_PACKAGE, ignore_errors=True)
+        for stale in committed:
+            (OUT_ROOT / stale).unlink()
         for f in files:
-            (SDK_ROOT / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(Path(tmp) / f, SDK_ROOT / f)
-    print(f"wrote {len(files)} files under sdk/{OUT_PACKAGE}/")
+            (OUT_ROOT / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(Path(tmp) / f, OUT_ROOT / f)
+    print(f"wrote {len(files)} files under protos/{OUT_PACKAGE}/")
     return 0
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up .venv/ at the repository root: CPU PyTorch first (a bare `torch` requirement would pull a
-# multi-GB CUDA build), then pdmesh itself (editable) with its test extras. Safe to run again.
+# multi-GB CUDA build), then every pdmesh distribution (editable, in one pip call so the local ones
+# satisfy each other) with the test tools. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,7 +19,10 @@ if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+
   echo "setup: installing torch==$TORCH_VERSION" >&2
   pip install "torch==$TORCH_VERSION"
 fi
-echo "setup: installing pdmesh and its client SDK (editable) and test tools" >&2
-pip install -e ./sdk -e ".[test]"
-.venv/bin/python -c "import torch, pdmesh.engine" || { echo "setup: the install is broken" >&2; exit 1; }
+echo "setup: installing the pdmesh distributions (editable) and test tools" >&2
+editable=()
+for dir in $(bash scripts/distributions.sh); do editable+=(-e "./$dir"); done
+pip install "${editable[@]}" -e ".[test]"
+.venv/bin/python -c "import torch, pdmesh_engine, pdmesh_gateway, pdmesh.cli.main" \
+  || { echo "setup: the install is broken" >&2; exit 1; }
 echo "setup: ready (.venv/bin/pdmesh)" >&2

@@ -2,7 +2,7 @@
 
 TRITON_INTERPRET=1 must be set before triton is first imported (`@triton.jit` reads it when a kernel
 is defined): the kernel tests run the Triton kernels on CPU tensors under the interpreter, and other
-test folders import `pdmesh.kernels` (and so triton) before tests/kernels is collected. Checks of the
+test folders import `pdmesh_kernels` (and so triton) before tests/kernels is collected. Checks of the
 kernels on a real GPU are a separate script, run where a GPU is lent.
 
 `reference_models` builds, once per session, a few small random `transformers.DeepseekV3ForCausalLM`

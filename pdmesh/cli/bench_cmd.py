@@ -18,7 +18,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    module = importlib.import_module(f"pdmesh.bench.{args.benchmark}")
+    module = importlib.import_module(f"pdmesh_bench.{args.benchmark}")
     parser = argparse.ArgumentParser(prog="pdmesh bench")
     module.register(parser.add_subparsers(dest="bench_command", required=True))
     options = parser.parse_args([args.benchmark, *args.options])

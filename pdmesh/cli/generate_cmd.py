@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pdmesh.cli.options import add_engine_options, engine_config, resolve_model
+from pdmesh.cli.options import resolve_model
+from pdmesh_service.worker.engine_options import add_engine_options, engine_config
 
 _SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "logprobs",
                    "ignore_eos", "min_tokens")
@@ -59,7 +60,7 @@ def read_prompts(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdmesh.engine import LLM, SamplingParams
+    from pdmesh_engine import LLM, SamplingParams
 
     items = read_prompts(args)
     defaults = {name: getattr(args, name) for name in _SAMPLING_FLAGS}

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pdmesh.engine.config import CheckpointError
+from pdmesh_engine.config import CheckpointError
 
 
 def build_parser() -> argparse.ArgumentParser:

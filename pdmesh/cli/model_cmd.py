@@ -17,7 +17,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run_init(args: argparse.Namespace) -> int:
-    from pdmesh.engine.model_init import init_model
+    from pdmesh.tools.model_init import init_model
 
     path = init_model(args.dir, preset=args.preset, seed=args.seed, dtype=args.dtype)
     print(path)

@@ -1,19 +1,16 @@
-"""`pdmesh serve ROLE [...]`: run one service in this process (what a container runs).
+"""`pdmesh serve ROLE [...]`: run one service in this process (`python -m pdmesh_ROLE` does the same).
 
 The role's own options come from its `server.py` (`add_arguments`), parsed only when that role
-runs, so other commands do not import the services.
+runs, so other commands do not import the services. Roles that load a model get the cached default
+model when no `--model` is given.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 
-SERVICE_MODULES = {
-    "kvstore": "pdmesh.services.kvstore.server",
-    "prefill": "pdmesh.services.prefill.server",
-    "decode": "pdmesh.services.decode.server",
-    "gateway": "pdmesh.services.gateway.server",
-}
+SERVICE_MODULES = {role: f"pdmesh_{role}.server" for role in ("kvstore", "eplb", "prefill", "decode", "gateway")}
+MODEL_ROLES = frozenset({"prefill", "decode", "gateway"})
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -23,23 +20,19 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def role_parser(role: str) -> tuple[argparse.ArgumentParser, object]:
-    module = importlib.import_module(SERVICE_MODULES[role])
-    parser = argparse.ArgumentParser(prog=f"pdmesh serve {role}")
-    module.add_arguments(parser)
-    return parser, module
+def with_default_model(role: str, options: list[str]) -> list[str]:
+    """`options` plus `--model <cached default>` for a model role that names none (and is not asking --help)."""
+    names = {o.split("=", 1)[0] for o in options}
+    if role not in MODEL_ROLES or names & {"--model", "-h", "--help"}:
+        return options
+    from pdmesh.cli.options import resolve_model
+
+    return [*options, "--model", str(resolve_model(None))]
 
 
 def run(args: argparse.Namespace) -> int:
     """Serve the role; with `--dep N` (prefill, decode) supervise the instance's N rank processes."""
-    from pdmesh.services.common.options import run_service
+    from pdmesh_service.entry import serve_main
 
-    parser, module = role_parser(args.role)
-    options = parser.parse_args(args.options)
-    config = module.config_from_args(options)
-    dep = getattr(config, "dep", None)
-    if dep is not None and dep.is_supervisor:
-        from pdmesh.services.worker.dep_instance import run_instance
-
-        return run_instance(args.role, list(args.options), config.common, config.model_dir, dep)
-    return run_service(args.role, config.common, lambda: module.serve(config))
+    server = importlib.import_module(SERVICE_MODULES[args.role])
+    return serve_main(args.role, server, with_default_model(args.role, list(args.options)))

@@ -10,7 +10,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from pdmesh.cli.options import add_engine_options, engine_argv, resolve_model
+from pdmesh.cli.options import resolve_model
+from pdmesh_service.worker.engine_options import add_engine_options, engine_argv
 
 
 def register(commands: argparse._SubParsersAction) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pdmesh.cli.main import main
-from pdmesh.engine.model_init import init_model
+from pdmesh.tools.model_init import init_model
 
 POSITIVE = ("step_ms_p50", "step_ms_p90", "step_ms_mean", "attention_ms", "expert_ms", "cpu_sched_ms",
             "other_model_ms", "tokens_per_s")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pdmesh.cli.main import main
-from pdmesh.engine.model_init import init_model
+from pdmesh.tools.model_init import init_model
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import statistics
 import httpx
 import pytest
 
-from pdmesh.bench import serve
-from pdmesh.bench.traces import (MIN_BLOCK_TOKENS, PromptBuilder, TraceRequest, choose_arrivals, load_trace,
+from pdmesh_bench import serve
+from pdmesh_bench.traces import (MIN_BLOCK_TOKENS, PromptBuilder, TraceRequest, choose_arrivals, load_trace,
                                  make_jobs, p90_user_tokens_per_s, parse_mooncake, percentile_of, plan_scaling,
                                  poisson_arrivals, scale_requests, scaled_block_size, synthetic_requests,
                                  trace_arrivals)

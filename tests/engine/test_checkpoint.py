@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdmesh.engine.checkpoint import (expect_shape, find_safetensors, iter_tensors, load_generation_defaults,
+from pdmesh_engine.checkpoint import (expect_shape, find_safetensors, iter_tensors, load_generation_defaults,
                                       load_model_config, tensor_names)
-from pdmesh.engine.config import CheckpointError, ModelConfig
-from pdmesh.engine.model_init import init_model, preset_model_config, weight_specs
+from pdmesh_engine.config import CheckpointError, ModelConfig
+from pdmesh.tools.model_init import init_model, preset_model_config, weight_specs
 
 
 @pytest.fixture(scope="module")

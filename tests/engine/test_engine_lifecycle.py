@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from pdmesh.cli.main import main as cli_main
-from pdmesh.engine import LLM, EngineConfig, EngineCore, SamplingParams
-from pdmesh.engine.model_init import init_model
+from pdmesh_engine import LLM, EngineConfig, EngineCore, SamplingParams
+from pdmesh.tools.model_init import init_model
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 LLM_CONFIG = dict(num_blocks=256, block_size=16)          # the CLI runs with the same flags

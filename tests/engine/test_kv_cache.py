@@ -6,8 +6,8 @@ import struct
 
 import pytest
 
-from pdmesh.engine.block_hash import hash_block, hash_full_blocks
-from pdmesh.engine.kv_cache import BlockPool, KVCacheManager
+from pdmesh_engine.block_hash import hash_block, hash_full_blocks
+from pdmesh_engine.kv_cache import BlockPool, KVCacheManager
 
 BS = 4  # block size used throughout
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdmesh.engine.model.moe import ExpertLoadRecorder, ExpertPlacement
+from pdmesh_engine.model.moe import ExpertLoadRecorder, ExpertPlacement
 
 
 def test_initial_placement_repeats_experts_in_redundant_slots() -> None:

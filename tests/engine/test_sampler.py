@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdmesh.engine.sampler import Sampler
-from pdmesh.engine.sampling import SamplingParams as P
+from pdmesh_engine.sampler import Sampler
+from pdmesh_engine.sampling import SamplingParams as P
 
 # B: batch, V: vocab
 

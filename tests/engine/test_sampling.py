@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from pdmesh.engine.sampling import MAX_LOGPROBS, SamplingParams, find_stop_string
+from pdmesh_engine.sampling import MAX_LOGPROBS, SamplingParams, find_stop_string
 
 
 @pytest.mark.parametrize(

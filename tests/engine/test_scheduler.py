@@ -5,10 +5,10 @@ from collections.abc import Callable
 
 import pytest
 
-from pdmesh.engine.kv_cache import KVCacheManager
-from pdmesh.engine.request import Request, RequestStatus
-from pdmesh.engine.sampling import SamplingParams
-from pdmesh.engine.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput, StepOutput
+from pdmesh_engine.kv_cache import KVCacheManager
+from pdmesh_engine.request import Request, RequestStatus
+from pdmesh_engine.sampling import SamplingParams
+from pdmesh_engine.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput, StepOutput
 
 BS = 4
 EOS = 1

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from pdmesh.engine.config import CheckpointError
-from pdmesh.engine.tokenizer import (ASSISTANT_TOKEN, BOS_ID, EOS_ID, USER_TOKEN, IncrementalDetokenizer, Tokenizer,
-                                     stdlib_corpus, tokenizer_config, train_tokenizer)
+from pdmesh_engine.config import CheckpointError
+from pdmesh.tools.tokenizer_train import (ASSISTANT_TOKEN, BOS_ID, EOS_ID, USER_TOKEN, stdlib_corpus, tokenizer_config,
+                                          train_tokenizer)
+from pdmesh_engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = ["Hello world", "", "  leading and trailing spaces  ", "naïve café — 日本語 🙂",
          "def f(x):\n    return x ** 2\n", f"{USER_TOKEN}hi{ASSISTANT_TOKEN}", "tabs\tand\r\nnewlines 12345"]
@@ -73,7 +74,7 @@ def test_tokenizer_training_is_deterministic_across_processes() -> None:
     pytest.importorskip("transformers")
     here = [hashlib.sha256(json.dumps(stdlib_corpus()).encode()).hexdigest(),
             hashlib.sha256(train_tokenizer(1024).encode()).hexdigest()]
-    code = ("import hashlib, json; from pdmesh.engine.tokenizer import stdlib_corpus, train_tokenizer; "
+    code = ("import hashlib, json; from pdmesh.tools.tokenizer_train import stdlib_corpus, train_tokenizer; "
             "print(hashlib.sha256(json.dumps(stdlib_corpus()).encode()).hexdigest()); "
             "print(hashlib.sha256(train_tokenizer(1024).encode()).hexdigest())")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

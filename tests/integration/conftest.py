@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pdmesh.launcher import Mesh, MeshOptions
-from pdmesh.services.common.redis_server import free_port
+from pdmesh_service.redis_server import free_port
 
 # Small KV pools so leaks show up; a small token budget so chunked prefill happens.
 WORKER_ARGS = ("--block-size", "8", "--num-blocks", "160", "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
@@ -16,7 +16,7 @@ WORKER_ARGS = ("--block-size", "8", "--num-blocks", "160", "--max-num-batched-to
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from pdmesh.engine.model_init import init_model
+    from pdmesh.tools.model_init import init_model
 
     return init_model(tmp_path_factory.mktemp("model") / "tiny", preset="tiny", seed=0, verbose=False)
 

@@ -17,7 +17,7 @@ from openai import OpenAI
 
 from meshlib import http_url, wait_idle
 from pdmesh.launcher import Mesh, MeshOptions
-from pdmesh.services.common.redis_server import free_port
+from pdmesh_service.redis_server import free_port
 
 PROMPTS = [
     "The quick brown fox",
@@ -39,7 +39,7 @@ MESHES = {"prefill2-decode2": (2, 2, 2), "prefill1-decode4": (1, 4, 0)}
 @pytest.fixture(scope="module")
 def offline(tiny_model: Path) -> dict:
     """Greedy completions of PROMPTS and the routed experts' weight bytes of the plain engine."""
-    from pdmesh.engine import LLM, SamplingParams
+    from pdmesh_engine import LLM, SamplingParams
 
     llm = LLM(tiny_model, num_blocks=256, block_size=8)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))

@@ -30,7 +30,7 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module")
 def offline(tiny_model):
     """Greedy completions of PROMPTS from the offline engine (the mesh must equal these)."""
-    from pdmesh.engine import LLM, SamplingParams
+    from pdmesh_engine import LLM, SamplingParams
 
     llm = LLM(tiny_model, num_blocks=256, block_size=8)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
@@ -92,8 +92,8 @@ def test_httpx_stream_matches_and_reports_usage(disagg_mesh, offline):
 
 
 def test_chat_completion_matches_offline_template(disagg_mesh, tiny_model):
-    from pdmesh.engine import LLM, SamplingParams
-    from pdmesh.engine.tokenizer import Tokenizer
+    from pdmesh_engine import LLM, SamplingParams
+    from pdmesh_engine.tokenizer import Tokenizer
 
     messages = [{"role": "user", "content": "Name a container type."}]
     ids = Tokenizer.from_dir(tiny_model).encode_chat(messages)
@@ -120,8 +120,8 @@ def test_grpc_sdk_matches_offline_engine(disagg_mesh, offline):
 
 def test_nixl_moves_exactly_the_prompt_blocks(disagg_mesh, tiny_model):
     """Bytes pushed by prefill and received by decode equal the prompt blocks' KV, per request."""
-    from pdmesh.engine.config import ModelConfig
-    from pdmesh.engine.tokenizer import Tokenizer
+    from pdmesh_engine.config import ModelConfig
+    from pdmesh_engine.tokenizer import Tokenizer
 
     config, tokenizer = ModelConfig.from_dir(tiny_model), Tokenizer.from_dir(tiny_model)
     block_size = 8

@@ -28,7 +28,7 @@ def _request_counts(mesh) -> dict[str, float]:
 
 
 def test_a_burst_larger_than_the_pools_loses_no_request(disagg_mesh, tiny_model):
-    from pdmesh.engine import LLM, SamplingParams
+    from pdmesh_engine import LLM, SamplingParams
 
     llm = LLM(tiny_model, num_blocks=1024, block_size=8)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)

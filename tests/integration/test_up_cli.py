@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from pdmesh.services.common.redis_server import free_port
+from pdmesh_service.redis_server import free_port
 
 
 def _descendants(pid: int) -> set[int]:

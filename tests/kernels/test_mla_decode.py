@@ -9,8 +9,8 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import; see confte
 import pytest
 import torch
 
-from pdmesh.kernels import mla_decode as mla
-from pdmesh.kernels import (
+from pdmesh_kernels import mla_decode as mla
+from pdmesh_kernels import (
     HAS_TRITON,
     mla_decode_attention,
     mla_decode_attention_ref,

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdmesh.kernels import moe
-from pdmesh.kernels import (
+from pdmesh_kernels import moe
+from pdmesh_kernels import (
     HAS_TRITON,
     fused_moe,
     grouped_expert_mlp,

@@ -38,9 +38,9 @@ def test_protos_are_versioned_packages() -> None:
         assert re.fullmatch(r"pdmesh\.\w+\.v\d+", package), (path.name, package)
 
 
-@pytest.mark.parametrize("module", ["pdmesh.services.gateway.core", "pdmesh.services.gateway.router",
-                                    "pdmesh.services.kvstore.core", "pdmesh.services.decode.core",
-                                    "pdmesh.services.prefill.core", "pdmesh.engine.scheduler"])
+@pytest.mark.parametrize("module", ["pdmesh_gateway.core", "pdmesh_gateway.router",
+                                    "pdmesh_kvstore.core", "pdmesh_decode.core",
+                                    "pdmesh_prefill.core", "pdmesh_engine.scheduler"])
 def test_pure_cores_import_no_transport(module: str) -> None:
     code = f"import sys, {module}; print(sorted(m for m in ('grpc', 'redis', 'nixl') if m in sys.modules))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pdmesh.bench.allreduce import run_ranks
+from pdmesh_bench.allreduce import run_ranks
 from pdmesh.cli.main import main
-from pdmesh.engine.parallel import (DP_SYNC_IMPLS, GlooAllReduce, RecursiveDoublingAllReduce, make_dp_sync,
+from pdmesh_engine.parallel import (DP_SYNC_IMPLS, GlooAllReduce, RecursiveDoublingAllReduce, make_dp_sync,
                                     num_rounds, recursive_doubling_all_reduce, recursive_doubling_schedule)
 
 MAX_WORLD = 9

@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pdmesh.engine import LLM, EngineConfig, EngineCore, SamplingParams
-from pdmesh.engine.model.moe import ExpertPlacement
-from pdmesh.engine.model_init import init_model
-from pdmesh.engine.parallel.dep import DEPConfig, init_dep, run_lockstep, shutdown_dep, slots_of_rank
-from pdmesh.engine.parallel.dispatch import AllToAllDispatcher
-from pdmesh.engine.parallel.placement import CheckpointTensors, apply_placement, expert_tensor_name
-from pdmesh.kernels.moe import fused_moe
+from pdmesh_engine import LLM, EngineConfig, EngineCore, SamplingParams
+from pdmesh_engine.model.moe import ExpertPlacement
+from pdmesh.tools.model_init import init_model
+from pdmesh_engine.parallel.dep import DEPConfig, init_dep, run_lockstep, shutdown_dep, slots_of_rank
+from pdmesh_engine.parallel.dispatch import AllToAllDispatcher
+from pdmesh_engine.parallel.placement import CheckpointTensors, apply_placement, expert_tensor_name
+from pdmesh_kernels.moe import fused_moe
 
 ENGINE = dict(num_blocks=64, block_size=16, num_threads=1)
 PROMPT_LENS = [5, 17, 33, 9, 40, 3, 21, 12]

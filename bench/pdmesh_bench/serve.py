@@ -1,0 +1,395 @@
+"""`pdmesh bench serve`: replay a request trace (or synthetic load) against an OpenAI-compatible server.
+
+Every request is a streaming `POST /v1/completions` whose `prompt` is a list of token ids built by
+`pdmesh_bench.traces` (blocks shared exactly where the trace's hash ids are equal), with
+`max_tokens` = the (scaled) output length, `ignore_eos` (dropped if the server rejects it),
+`temperature` 0 and `stream_options.include_usage`. Arrivals: the trace's timestamps (times
+`--time-scale`), Poisson at `--rate`, or a closed loop of `--concurrency` requests in flight.
+Trace lengths are kept (only clamped to the context) unless `--scale-to-context`; the JSON's
+`scaling` says what was done.
+
+Measured per request from the SSE stream: TTFT (first token chunk), ITL (gaps between token chunks),
+TPOT ((e2e - ttft) / (output_tokens - 1)), e2e and the user's speed output_tokens / e2e. Traffic goes
+only to loopback hosts unless `--allow-remote`; it is bounded by `--num-requests`, `--duration-s`
+(no new requests after it) and `--timeout-s` (per request, whole stream).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from pdmesh_bench.traces import (P90_USER_DEFINITION, Job, choose_arrivals, distribution, load_trace, make_jobs,
+                                 p90_user_tokens_per_s, plan_scaling, scale_requests, synthetic_requests)
+
+@dataclass
+class ServeOptions:
+    url: str = "http://127.0.0.1:8000"
+    trace: str | None = None
+    synthetic: bool = False
+    rate: float | None = None            # Poisson arrivals (req/s); overrides the trace's timestamps
+    concurrency: int | None = None       # closed loop with this many requests in flight
+    num_requests: int = 100
+    duration_s: float | None = None      # no new requests after this many seconds
+    input_len: int = 256                 # --synthetic
+    output_len: int = 64                 # --synthetic
+    prefix_fraction: float = 0.0         # --synthetic: shared prefix of every prompt
+    scale_to_context: bool = False
+    scale_percentile: float = 99.0
+    scale_factor: float | None = None
+    keep_output_len: bool = False        # scale inputs only
+    time_scale: float = 1.0
+    seed: int = 0
+    max_model_len: int | None = None     # default: from GET /v1/models
+    model: str | None = None             # default: from GET /v1/models
+    vocab_size: int = 1024               # prompt token ids are drawn from [16, vocab_size)
+    timeout_s: float = 300.0
+    max_inflight: int = 256              # connection limit in open-loop mode
+    allow_remote: bool = False
+    progress_every: int = 10
+    json: str | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServeOptions:
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        if values.get("json") is not None:
+            values["json"] = str(values["json"])
+        return cls(**values)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="replay a trace or synthetic load against an OpenAI-compatible server")
+    p.add_argument("--url", default=ServeOptions.url, help="server base URL (default %(default)s)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", help="Mooncake .jsonl, Azure .csv, agentic .json (or a directory of them)")
+    source.add_argument("--synthetic", action="store_true", help="random prompts of --input-len/--output-len")
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--rate", type=float, help="Poisson arrivals at R requests/s")
+    load.add_argument("--concurrency", type=int, help="closed loop: C requests in flight")
+    p.add_argument("--num-requests", type=int, default=100)
+    p.add_argument("--duration-s", type=float, help="stop issuing requests after S seconds")
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--prefix-fraction", type=float, default=0.0, help="synthetic: shared-prefix fraction")
+    p.add_argument("--time-scale", type=float, default=1.0, help="multiply trace times (0.5 = twice as fast)")
+    p.add_argument("--scale-to-context", action="store_true",
+                   help="scale trace lengths (and hash blocks) so the --scale-percentile fits the context")
+    p.add_argument("--scale-percentile", type=float, default=99.0)
+    p.add_argument("--scale-factor", type=float, help="explicit scale factor in (0, 1]")
+    p.add_argument("--keep-output-len", action="store_true", help="scale inputs only")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, help="default: from GET /v1/models")
+    p.add_argument("--model", help="model name (default: the first of GET /v1/models)")
+    p.add_argument("--vocab-size", type=int, default=1024, help="token ids are drawn below this")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="per request, whole stream")
+    p.add_argument("--max-inflight", type=int, default=256, help="connection limit in open-loop mode")
+    p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --url")
+    p.add_argument("--progress-every", type=int, default=10)
+    p.add_argument("--json", type=Path, help="write the results to this JSON file")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    options = ServeOptions.from_args(args)
+    result = run_benchmark(options)
+    print_summary(result)
+    if options.json:
+        path = Path(options.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if result["num_requests"] > result["num_errors"] else 1
+
+
+def run_benchmark(options: ServeOptions | argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark and return the results dict (also what `--json` writes)."""
+    if isinstance(options, argparse.Namespace):
+        options = ServeOptions.from_args(options)
+    validate(options)
+    return asyncio.run(_run(options))
+
+
+def validate(o: ServeOptions) -> None:
+    check_host(o.url, o.allow_remote)
+    if (o.trace is None) == (not o.synthetic):
+        raise ValueError("give exactly one of --trace FILE and --synthetic")
+    if o.num_requests < 1 or (o.concurrency is not None and o.concurrency < 1) or o.max_inflight < 1:
+        raise ValueError("--num-requests, --concurrency and --max-inflight must be >= 1")
+    if o.rate is not None and o.concurrency is not None:
+        raise ValueError("give at most one of --rate and --concurrency")
+    if o.synthetic and o.rate is None and o.concurrency is None:
+        raise ValueError("--synthetic needs --rate R or --concurrency C")
+    if o.timeout_s <= 0 or (o.duration_s is not None and o.duration_s <= 0):
+        raise ValueError("--timeout-s and --duration-s must be > 0")
+
+
+def check_host(url: str, allow_remote: bool = False) -> None:
+    """Refuse any host but a loopback one (localhost, 127.0.0.0/8, ::1) unless allow_remote."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--url must be an http(s) URL with a host, got {url!r}")
+    if allow_remote or parts.hostname == "localhost":
+        return
+    try:
+        if ipaddress.ip_address(parts.hostname).is_loopback:
+            return
+    except ValueError:
+        pass
+    raise ValueError(f"refusing to send load to non-loopback host {parts.hostname!r} (pass --allow-remote)")
+
+
+def base_url(url: str) -> str:
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url
+
+
+# ----- the work list ---------------------------------------------------------------------------
+
+def build_jobs(o: ServeOptions, max_model_len: int) -> tuple[list[Job], dict[str, Any]]:
+    """The requests to send and how their lengths were scaled."""
+    if o.synthetic:
+        requests, block = synthetic_requests(o.num_requests, o.input_len, o.output_len, o.prefix_fraction)
+        scaling = plan_scaling(requests, max_model_len, block, enabled=False, factor=1.0)
+        source = {"source": "synthetic", "prefix_tokens": round(o.prefix_fraction * o.input_len)}
+    else:
+        trace = load_trace(o.trace)
+        if not trace.requests:
+            raise ValueError(f"{o.trace}: the trace has no requests")
+        scaling = plan_scaling(trace.requests, max_model_len, trace.block_tokens, enabled=o.scale_to_context,
+                               percentile=o.scale_percentile, factor=o.scale_factor,
+                               scale_output=not o.keep_output_len)
+        requests = trace.requests[:o.num_requests]
+        source = {"source": "trace", "format": trace.format, "trace_requests": len(trace.requests)}
+    requests = scale_requests(requests, scaling)
+    arrivals = choose_arrivals(requests, o.rate, o.concurrency, o.time_scale, o.seed)
+    jobs = make_jobs(requests, scaling, arrivals, o.seed, o.vocab_size)
+    return jobs, {**source, **scaling.to_dict()}
+
+
+# ----- sending ---------------------------------------------------------------------------------
+
+@dataclass
+class Result:
+    index: int
+    start: float                     # perf_counter at the scheduled send
+    ok: bool = False
+    error: str | None = None
+    token_times: list[float] = field(default_factory=list)
+    end: float = 0.0
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def ttft_s(self) -> float:
+        return self.token_times[0] - self.start
+
+    @property
+    def e2e_s(self) -> float:
+        return self.end - self.start
+
+
+class StreamError(Exception):
+    """A non-200 answer, or an error event inside the stream."""
+
+
+@dataclass
+class Sender:
+    client: httpx.AsyncClient
+    url: str
+    model: str
+    timeout_s: float
+    total: int
+    progress_every: int = 10
+    ignore_eos: bool = True
+    done: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def body(self, job: Job) -> dict[str, Any]:
+        body = {"model": self.model, "prompt": job.prompt, "max_tokens": job.max_tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        return body
+
+    async def issue(self, job: Job, scheduled: float) -> Result:
+        result = Result(job.index, scheduled, prompt_tokens=len(job.prompt))
+        try:
+            await asyncio.wait_for(self._send(job, result), self.timeout_s)
+        except (httpx.HTTPError, StreamError, ValueError, asyncio.TimeoutError) as e:
+            result.error = f"{type(e).__name__}: {e}"[:500] or type(e).__name__
+        result.ok = result.error is None and bool(result.token_times)
+        if result.error is None and not result.ok:
+            result.error = "the stream ended without any token"
+        if result.error:
+            self.errors.append(result.error)
+        self.done += 1
+        if self.progress_every and (self.done % self.progress_every == 0 or self.done == self.total):
+            print(f"bench serve: {self.done}/{self.total} done, {len(self.errors)} errors", file=sys.stderr)
+        return result
+
+    async def _send(self, job: Job, result: Result) -> None:
+        for attempt in range(2):
+            async with self.client.stream("POST", self.url, json=self.body(job)) as resp:
+                if resp.status_code == 200:
+                    await read_stream(resp.aiter_lines(), result)
+                    return
+                text = (await resp.aread()).decode(errors="replace")
+                if attempt == 0 and self.ignore_eos and resp.status_code == 400 and "ignore_eos" in text:
+                    self.ignore_eos = False      # the server rejects the extension: send without it
+                    continue
+                raise StreamError(f"HTTP {resp.status_code}: {text[:300]}")
+
+
+async def read_stream(lines: Any, result: Result) -> None:
+    """Consume `data: {...}` SSE lines up to `data: [DONE]`, timing every chunk that carries a token."""
+    async for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            break
+        chunk = json.loads(data)
+        now = time.perf_counter()
+        if "error" in chunk:
+            raise StreamError(f"error event: {json.dumps(chunk['error'])[:300]}")
+        choices = chunk.get("choices") or []
+        if choices and _carries_token(choices[0]):
+            result.token_times.append(now)
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+            result.output_tokens = int(usage.get("completion_tokens") or 0)
+            result.prompt_tokens = int(usage.get("prompt_tokens") or result.prompt_tokens)
+            result.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    result.end = time.perf_counter()
+    if not result.output_tokens:
+        result.output_tokens = len(result.token_times)
+
+
+def _carries_token(choice: dict[str, Any]) -> bool:
+    """Text (completions) or delta content (chat); an empty-text chunk counts unless it only finishes."""
+    text = choice.get("text")
+    if text is None:
+        text = (choice.get("delta") or {}).get("content")
+    return bool(text) or choice.get("finish_reason") is None
+
+
+async def open_loop(sender: Sender, jobs: list[Job], t0: float, deadline: float | None) -> list[Result]:
+    tasks = []
+    for job in jobs:
+        at = t0 + (job.arrival_s or 0.0)
+        if deadline is not None and at > deadline:
+            break
+        delay = at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(sender.issue(job, at)))
+    return list(await asyncio.gather(*tasks))
+
+
+async def closed_loop(sender: Sender, jobs: list[Job], concurrency: int, deadline: float | None) -> list[Result]:
+    queue = iter(jobs)
+    results: list[Result] = []
+
+    async def worker() -> None:
+        for job in queue:                # one shared iterator: each job goes to exactly one worker
+            if deadline is not None and time.perf_counter() > deadline:
+                return
+            results.append(await sender.issue(job, time.perf_counter()))
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return sorted(results, key=lambda r: r.index)
+
+
+async def fetch_model(client: httpx.AsyncClient, url: str) -> tuple[str, int | None]:
+    try:
+        resp = await client.get(f"{url}/v1/models")
+        resp.raise_for_status()
+        first = resp.json()["data"][0]
+        return first["id"], first.get("max_model_len")
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+        raise ValueError(f"GET {url}/v1/models failed: {type(e).__name__}: {e}") from None
+
+
+async def _run(o: ServeOptions) -> dict[str, Any]:
+    url = base_url(o.url)
+    connections = o.concurrency or o.max_inflight
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    timeout = httpx.Timeout(o.timeout_s, connect=min(10.0, o.timeout_s), pool=None)
+    async with httpx.AsyncClient(http1=True, http2=False, limits=limits, timeout=timeout) as client:
+        model, served_len = await fetch_model(client, url)
+        model = o.model or model
+        max_model_len = o.max_model_len or served_len
+        if not max_model_len:
+            raise ValueError("the server does not report max_model_len: pass --max-model-len")
+        jobs, scaling = build_jobs(o, max_model_len)
+        sender = Sender(client, f"{url}/v1/completions", model, o.timeout_s, len(jobs), o.progress_every)
+        print(f"bench serve: {len(jobs)} requests to {url} ({model}, max_model_len {max_model_len})",
+              file=sys.stderr)
+        t0 = time.perf_counter()
+        deadline = None if o.duration_s is None else t0 + o.duration_s
+        if o.concurrency is not None:
+            results = await closed_loop(sender, jobs, o.concurrency, deadline)
+        else:
+            results = await open_loop(sender, jobs, t0, deadline)
+        duration = time.perf_counter() - t0
+    config = {**asdict(o), "url": url, "model": model, "max_model_len": max_model_len,
+              "mode": "closed-loop" if o.concurrency else ("poisson" if o.rate else "trace-timestamps"),
+              "ignore_eos_sent": sender.ignore_eos}
+    return {**summarize(results, duration, sender.errors), "config": config, "scaling": scaling}
+
+
+def summarize(results: list[Result], duration_s: float, errors: list[str] | None = None) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    itl = [(b - a) * 1e3 for r in ok for a, b in zip(r.token_times, r.token_times[1:])]
+    tpot = [(r.e2e_s - r.ttft_s) * 1e3 / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    speeds = [r.output_tokens / r.e2e_s for r in ok if r.e2e_s > 0]
+    out_tokens = sum(r.output_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    inputs = sum(r.prompt_tokens for r in ok)
+    errors = errors if errors is not None else [r.error for r in results if r.error]
+    duration_s = max(duration_s, 1e-9)
+    return {
+        "ttft_ms": distribution([r.ttft_s * 1e3 for r in ok]), "tpot_ms": distribution(tpot),
+        "itl_ms": distribution(itl), "e2e_ms": distribution([r.e2e_s * 1e3 for r in ok]),
+        "user_tokens_per_s": distribution(speeds),
+        "output_tokens_per_s": out_tokens / duration_s, "request_throughput": len(ok) / duration_s,
+        "p90_user_tokens_per_s": p90_user_tokens_per_s(speeds),
+        "p90_user_tokens_per_s_definition": P90_USER_DEFINITION,
+        "num_requests": len(results), "num_completed": len(ok), "num_errors": len(results) - len(ok),
+        "error_messages": errors[:5], "input_tokens": inputs, "cached_input_tokens": cached,
+        "uncached_input_tokens": inputs - cached, "cache_hit_ratio": cached / inputs if inputs else None,
+        "output_tokens": out_tokens, "duration_s": duration_s,
+    }
+
+
+def print_summary(r: dict[str, Any]) -> None:
+    def ms(d: dict[str, float | None]) -> str:
+        return "  ".join(f"{k} {v:8.1f}" if v is not None else f"{k}      n/a"
+                         for k, v in d.items() if k != "mean")
+
+    c, s = r["config"], r["scaling"]
+    print(f"bench serve: {c['model']} at {c['url']}, {c['mode']}, {r['num_completed']}/{r['num_requests']} "
+          f"completed in {r['duration_s']:.1f} s ({r['num_errors']} errors)")
+    group = f" per {s['hash_ids_per_block']} hash ids" if s["hash_ids_per_block"] > 1 else ""
+    print(f"  scaling: factor {s['factor']:.4g}, block {s['block_tokens']} tokens{group}, "
+          f"{s['inputs_clamped']} inputs / {s['outputs_clamped']} outputs clamped to {s['max_model_len']}")
+    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        print(f"  {name:<8} {ms(r[name])}")
+    user = r["p90_user_tokens_per_s"]
+    print(f"  throughput {r['request_throughput']:.2f} req/s, {r['output_tokens_per_s']:.1f} output tokens/s; "
+          f"p90 user {user if user is None else round(user, 1)} tokens/s (10th percentile of per-request speed)")
+    hit = r["cache_hit_ratio"]
+    print(f"  input tokens {r['input_tokens']} ({r['cached_input_tokens']} cached"
+          f"{'' if hit is None else f', {100 * hit:.1f}%'}, {r['uncached_input_tokens']} uncached), "
+          f"output tokens {r['output_tokens']}")
+    for message in r["error_messages"]:
+        print(f"  error: {message}")

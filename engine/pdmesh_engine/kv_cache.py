@@ -1,0 +1,200 @@
+"""Paged KV cache: the block pool (memory and bookkeeping) and the per-request block manager.
+
+Memory: one contiguous tensor `[num_layers, num_blocks, block_size, L + R]` holding the MLA latent
+and rope key of every cached token; a block's bytes in one layer are contiguous, so the pool can be
+registered once with NIXL and addressed per (layer, block).
+
+Bookkeeping invariants (checked by `check_integrity`):
+- every block is in exactly one of: in use (ref_count > 0), cached (ref 0, has a hash, evictable),
+  free (ref 0, no hash); free + cached + in use = total;
+- the evictable queue holds exactly the blocks with ref 0, least recently freed first;
+- a block's ref_count equals the number of requests that hold it.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from pdmesh_engine.block_hash import BlockHash, hash_full_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheStats:
+    num_blocks: int
+    num_free: int
+    num_cached: int
+    num_used: int
+    prefix_queries: int
+    prefix_hits: int        # tokens served from the prefix cache
+
+
+class BlockPool:
+    """Block ids with reference counts and prefix hashes; allocation evicts the LRU cached block."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks, self.enable_caching = num_blocks, enable_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hashes: list[BlockHash | None] = [None] * num_blocks
+        self.cached: dict[BlockHash, int] = {}
+        self.evictable: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+
+    @property
+    def num_available(self) -> int:
+        return len(self.evictable)
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self.evictable):
+            raise MemoryError(f"need {count} KV blocks, {len(self.evictable)} available")
+        blocks = []
+        for _ in range(count):
+            block, _ = self.evictable.popitem(last=False)
+            self._drop_hash(block)
+            self.ref_counts[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def touch(self, blocks: list[int]) -> None:
+        """Take a reference on cached blocks (prefix hits)."""
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                del self.evictable[block]
+            self.ref_counts[block] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        """Drop one reference each; blocks reaching 0 become evictable (first given, first evicted)."""
+        for block in blocks:
+            if self.ref_counts[block] <= 0:
+                raise RuntimeError(f"KV block {block} released more often than taken")
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.evictable[block] = None
+
+    def lookup(self, block_hash: BlockHash) -> int | None:
+        return self.cached.get(block_hash) if self.enable_caching else None
+
+    def set_hash(self, block: int, block_hash: BlockHash) -> None:
+        if not self.enable_caching or self.block_hashes[block] is not None:
+            return
+        if block_hash in self.cached:      # same content computed twice: keep the first copy
+            return
+        self.block_hashes[block] = block_hash
+        self.cached[block_hash] = block
+
+    def _drop_hash(self, block: int) -> None:
+        block_hash = self.block_hashes[block]
+        if block_hash is not None:
+            del self.cached[block_hash]
+            self.block_hashes[block] = None
+
+    def check_integrity(self, holders: list[list[int]]) -> None:
+        """Raise AssertionError naming the first broken invariant; `holders` are the requests' blocks."""
+        expected = [0] * self.num_blocks
+        for blocks in holders:
+            for block in blocks:
+                expected[block] += 1
+        if expected != self.ref_counts:
+            bad = [b for b in range(self.num_blocks) if expected[b] != self.ref_counts[b]][:5]
+            raise AssertionError(f"KV ref counts disagree with holders at blocks {bad}")
+        zero = {b for b in range(self.num_blocks) if self.ref_counts[b] == 0}
+        if set(self.evictable) != zero or len(self.evictable) != len(zero):
+            raise AssertionError("evictable queue does not hold exactly the unreferenced blocks")
+        for block_hash, block in self.cached.items():
+            if self.block_hashes[block] != block_hash:
+                raise AssertionError(f"prefix index points at block {block} with another hash")
+        if sum(h is not None for h in self.block_hashes) != len(self.cached):
+            raise AssertionError("blocks carry hashes that the prefix index does not know")
+        stats = self.counts()
+        if stats[0] + stats[1] + stats[2] != self.num_blocks:
+            raise AssertionError("free + cached + in use != total")
+
+    def counts(self) -> tuple[int, int, int]:
+        """(free, cached, in use)."""
+        used = sum(1 for r in self.ref_counts if r > 0)
+        cached = sum(1 for b in self.evictable if self.block_hashes[b] is not None)
+        return len(self.evictable) - cached, cached, used
+
+
+class KVCacheManager:
+    """Blocks of each request; prefix reuse at admission, hashes registered as blocks fill."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[int]] = {}
+        self.req_hashes: dict[str, list[BlockHash]] = {}
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    def find_cached_prefix(self, request_id: str, token_ids: list[int]) -> list[int]:
+        """Cached blocks matching the longest prefix; always leaves >= 1 token to compute."""
+        self.prefix_queries += 1
+        if not self.pool.enable_caching:
+            return []
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        hashes = hash_full_blocks(token_ids[:max_blocks * self.block_size], self.block_size)
+        hits: list[int] = []
+        for block_hash in hashes:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.req_hashes[request_id] = hashes[:len(hits)]
+        return hits
+
+    def allocate(self, request_id: str, num_tokens: int, cached_prefix: list[int] | None = None) -> list[int] | None:
+        """Ensure the request holds blocks for `num_tokens` tokens; None (and no change) if out of blocks."""
+        held = self.req_blocks.get(request_id, [])
+        prefix = cached_prefix or []
+        needed = -(-num_tokens // self.block_size) - len(held) - len(prefix)
+        evictable_prefix = sum(1 for b in prefix if self.pool.ref_counts[b] == 0)
+        if needed > self.pool.num_available - evictable_prefix:
+            return None
+        if prefix:
+            self.pool.touch(prefix)
+            self.prefix_hits += len(prefix) * self.block_size
+        new_blocks = self.pool.allocate(max(needed, 0))
+        blocks = self.req_blocks.setdefault(request_id, [])
+        blocks.extend(prefix)
+        blocks.extend(new_blocks)
+        return list(blocks)
+
+    def cache_blocks(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
+        """Register the hashes of blocks that are full of computed tokens."""
+        if not self.pool.enable_caching:
+            return
+        hashes = self.req_hashes.setdefault(request_id, [])
+        num_full = num_computed // self.block_size
+        if num_full <= len(hashes):
+            return
+        parent = hashes[-1] if hashes else None
+        new = hash_full_blocks(token_ids[:num_full * self.block_size], self.block_size, len(hashes), parent)
+        blocks = self.req_blocks[request_id]
+        for index, block_hash in enumerate(new, start=len(hashes)):
+            self.pool.set_hash(blocks[index], block_hash)
+        hashes.extend(new)
+
+    def free(self, request_id: str) -> None:
+        """Return all blocks of a request; the tail goes first in the eviction order."""
+        blocks = self.req_blocks.pop(request_id, [])
+        self.req_hashes.pop(request_id, None)
+        self.pool.release(list(reversed(blocks)))
+
+    def blocks_of(self, request_id: str) -> list[int]:
+        return self.req_blocks.get(request_id, [])
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity(list(self.req_blocks.values()))
+
+    def stats(self) -> KVCacheStats:
+        free, cached, used = self.pool.counts()
+        return KVCacheStats(self.pool.num_blocks, free, cached, used, self.prefix_queries, self.prefix_hits)
+
+
+def allocate_kv_memory(num_layers: int, num_blocks: int, block_size: int, entry_dim: int,
+                       dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The pool's memory: [num_layers, num_blocks, block_size, entry_dim], zeroed, contiguous."""
+    return torch.zeros((num_layers, num_blocks, block_size, entry_dim), dtype=dtype, device=device)

@@ -1,0 +1,147 @@
+"""The model runner: owns the weights, the KV memory and the sampler of one engine.
+
+`execute(SchedulerOutput) -> {request_id: SampledToken}`: build a `ForwardBatch`, run the model,
+compute logits only for rows that sample, sample. The only place that touches the device.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdmesh_engine.checkpoint import iter_tensors
+from pdmesh_engine.config import EngineConfig, ModelConfig
+from pdmesh_engine.forward_batch import ForwardBatch
+from pdmesh_engine.kv_cache import allocate_kv_memory
+from pdmesh_engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+from pdmesh_engine.model.moe import ExpertLoadRecorder, MoE
+from pdmesh_engine.request import Request
+from pdmesh_engine.sampler import Sampler
+from pdmesh_engine.scheduler import SampledToken, SchedulerOutput
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
+    """auto: float32 on CPU (faster than bf16 on most CPUs), the checkpoint's dtype on GPUs."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return _DTYPES.get(model_config.torch_dtype, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    entry_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_layers * self.entry_dim * torch.tensor([], dtype=self.dtype).element_size()
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+
+def plan_kv_layout(model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> KVLayout:
+    probe = KVLayout(model_config.num_hidden_layers, 1, config.block_size, model_config.kv_cache_dim, dtype)
+    num_blocks = config.num_blocks or config.kv_cache_memory_bytes // probe.bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no block "
+                         f"({probe.bytes_per_block} bytes each)")
+    return KVLayout(probe.num_layers, num_blocks, config.block_size, probe.entry_dim, dtype)
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str | Path, model_config: ModelConfig, config: EngineConfig,
+                 model: DeepseekV3ForCausalLM | None = None, model_kwargs: dict[str, Any] | None = None) -> None:
+        """`model_kwargs` go to `DeepseekV3ForCausalLM` (DEP: placements, this rank's slots, the dispatcher)."""
+        self.config, self.model_config = config, model_config
+        self.model_kwargs = model_kwargs or {}
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, model_config, self.device)
+        self.load_seconds = 0.0
+        self.model = model if model is not None else self._load_model(Path(model_dir))
+        self.kv_layout = plan_kv_layout(model_config, config, self.dtype)
+        self.kv_caches = allocate_kv_memory(self.kv_layout.num_layers, self.kv_layout.num_blocks,
+                                            config.block_size, self.kv_layout.entry_dim, self.dtype, self.device)
+        self.sampler = Sampler(seed=config.seed)
+        moe = self.model.moe_layers
+        self.expert_load = ExpertLoadRecorder(len(moe), moe[0].placement.num_physical,
+                                              config.expert_load_window, self.device) if moe else None
+        for layer in moe:
+            layer.recorder = self.expert_load
+
+    def expert_weight_bytes(self) -> int:
+        """Bytes of the routed experts' weights held here (w13 + w2 of every MoE layer, MTP included)."""
+        return sum(m.w13.nbytes + m.w2.nbytes for m in self.model.modules() if isinstance(m, MoE))
+
+    def dispatch_stats(self) -> Any:
+        """The MoE dispatcher's per-phase timings (DEP: a `DispatchStats`), None for in-process experts."""
+        moe = self.model.moe_layers
+        return getattr(moe[0].dispatcher, "stats", None) if moe else None
+
+    def _load_model(self, model_dir: Path) -> DeepseekV3ForCausalLM:
+        start = time.perf_counter()
+        with torch.device("meta"):
+            model = DeepseekV3ForCausalLM(self.model_config, **self.model_kwargs)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        for layer in model.moe_layers:                # routing stays in fp32, as the reference keeps it
+            layer.gate.float()
+            layer.set_placement(layer.placement)
+        model.rope.materialize(self.model_config)     # computed buffers, not checkpoint tensors
+        model.load_weights(iter_tensors(model_dir))
+        model.eval()
+        self.load_seconds = time.perf_counter() - start
+        return model
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput, requests: dict[str, Request]) -> dict[str, SampledToken]:
+        if output.is_empty:
+            return {}
+        items = output.scheduled
+        batch = ForwardBatch.build([s.token_ids for s in items], [s.start_position for s in items],
+                                   [s.block_ids for s in items], self.config.block_size,
+                                   [s.needs_sample for s in items], self.device)
+        hidden = self.model(batch, self.kv_caches)
+        if self.expert_load is not None:
+            self.expert_load.end_step()
+        sampling = [requests[s.request_id] for s in items if s.needs_sample]
+        if not sampling:
+            return {}
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        result = self.sampler(logits, [r.sampling_params for r in sampling], [r.generator for r in sampling],
+                              [r.banned_token_ids() for r in sampling])
+        return self._to_tokens(sampling, result)
+
+    @staticmethod
+    def _to_tokens(requests: list[Request], result) -> dict[str, SampledToken]:
+        token_ids = result.token_ids.tolist()
+        logprobs = result.logprobs.tolist() if result.logprobs is not None else None
+        top_ids = result.top_ids.tolist() if result.top_ids is not None else None
+        top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+        out: dict[str, SampledToken] = {}
+        for row, request in enumerate(requests):
+            wanted = request.sampling_params.logprobs
+            if wanted is None or logprobs is None:
+                out[request.request_id] = SampledToken(token_ids[row])
+                continue
+            top = tuple(zip(top_ids[row][:wanted], top_lps[row][:wanted])) if wanted and top_ids else ()
+            out[request.request_id] = SampledToken(token_ids[row], logprobs[row], top)
+        return out

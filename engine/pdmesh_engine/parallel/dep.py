@@ -1,0 +1,267 @@
+"""DEP: data-parallel attention + expert parallelism, one rank process per attention replica.
+
+Each rank owns its requests (its own scheduler and KV pool), a full copy of attention, dense layers and
+shared experts, and a contiguous 1/n share of the routed experts' physical slots. The ranks meet inside
+every MoE layer (the `AllToAllDispatcher`), so they must run the same number of forward passes:
+
+    EngineCore.step() on every rank, in lockstep:
+      schedule locally -> DP sync: all_reduce([has_work, num_tokens, num_unfinished, stop]) int64 [4]
+        -> no rank has work:        return {} without a forward (the caller idles)
+        -> this rank has no work:   DUMMY forward (1 token into the reserved scratch block)
+        -> else:                    the real batch
+
+`stop`: a rank that calls `LockstepStepper.request_stop()` makes every rank's record of that step say
+`stop` (after its forward, if any), so a serving instance's ranks leave the collective sequence at the
+same step.
+
+The rendezvous (a TCPStore on rank 0) listens on `master_addr` only, and on a loopback master gloo's
+own sockets bind loopback too (GLOO_SOCKET_IFNAME=lo, unless set).
+
+Setup: `init_dep(DEPConfig(...))` -> `DEPContext`; `EngineCore(model_dir, config, dep=context)` builds the
+model with this rank's slots and the dispatcher, reserves the scratch block and drives `LockstepStepper`.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from pdmesh_engine.config import ModelConfig
+from pdmesh_engine.forward_batch import ForwardBatch
+from pdmesh_engine.model.moe import ExpertDispatcher, ExpertPlacement
+from pdmesh_engine.parallel.allreduce import DP_SYNC_IMPLS, DPSync, make_dp_sync
+from pdmesh_engine.parallel.dispatch import DISPATCHERS, DispatchStats, make_dispatcher
+
+if TYPE_CHECKING:
+    from pdmesh_engine.engine_core import EngineCore
+    from pdmesh_engine.model_runner import ModelRunner
+    from pdmesh_engine.request import Request
+    from pdmesh_engine.scheduler import SampledToken, SchedulerOutput, StepOutput
+
+
+@dataclass(frozen=True)
+class DEPConfig:
+    """One rank of a DEP instance. `size` ranks meet at tcp://master_addr:master_port (loopback by default)."""
+
+    rank: int
+    size: int
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    backend: str = "gloo"
+    dp_sync: str = "recursive_doubling"      # see pdmesh_engine.parallel.allreduce.DP_SYNC_IMPLS
+    dispatcher: str = "all_to_all"           # see pdmesh_engine.parallel.dispatch.DISPATCHERS
+    num_redundant_experts: int = 0           # extra physical slots per MoE layer (replicas)
+    timeout_s: float = 600.0                 # a collective waiting longer raises instead of hanging
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"DEP needs 0 <= rank < size, got rank {self.rank}, size {self.size}")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be in 1..65535, got {self.master_port}")
+        if self.num_redundant_experts < 0:
+            raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
+        if self.dp_sync not in DP_SYNC_IMPLS:
+            raise ValueError(f"unknown dp_sync {self.dp_sync!r}; choose from {sorted(DP_SYNC_IMPLS)}")
+        if self.dispatcher not in DISPATCHERS:
+            raise ValueError(f"unknown dispatcher {self.dispatcher!r}; choose from {sorted(DISPATCHERS)}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+
+
+def slots_of_rank(num_experts: int, num_redundant: int, size: int, rank: int) -> range:
+    """This rank's contiguous share of the P = num_experts + num_redundant physical slots."""
+    num_physical = num_experts + num_redundant
+    if num_physical % size:
+        raise ValueError(f"{num_experts} routed experts + {num_redundant} redundant slots = {num_physical} "
+                         f"physical slots do not split evenly across {size} DEP ranks; choose "
+                         f"num_redundant_experts so that the sum is a multiple of {size}")
+    per_rank = num_physical // size
+    return range(rank * per_rank, (rank + 1) * per_rank)
+
+
+@dataclass
+class DEPContext:
+    """What a DEP rank holds after `init_dep`: its config, the process groups and the DP sync."""
+
+    config: DEPConfig
+    dispatch_group: dist.ProcessGroup | None    # the MoE all-to-alls (its own group: a GPU backend can differ)
+    dp_sync: DPSync                             # the per-step all-reduce, on the world group
+    dispatcher: ExpertDispatcher = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.dispatcher = make_dispatcher(self.config.dispatcher, self.dispatch_group)
+
+    @property
+    def dispatch_stats(self) -> DispatchStats | None:
+        return getattr(self.dispatcher, "stats", None)
+
+    def model_kwargs(self, model_config: ModelConfig) -> dict[str, Any]:
+        """Keyword arguments of `DeepseekV3ForCausalLM`: the initial placement, this rank's slots, the dispatcher."""
+        num_moe = len(model_config.moe_layer_ids)
+        experts, redundant = model_config.n_routed_experts, self.config.num_redundant_experts
+        slots = slots_of_rank(experts, redundant, self.config.size, self.config.rank) if num_moe else range(0)
+        placement = ExpertPlacement.initial(experts, redundant) if num_moe else None
+        return dict(placements=[placement] * num_moe, local_slots=[slots] * num_moe, dispatcher=self.dispatcher)
+
+
+def init_dep(config: DEPConfig) -> DEPContext:
+    """Join the DEP process group (all ranks call it), create the dispatch group and the DP sync."""
+    if not dist.is_initialized():
+        timeout = timedelta(seconds=config.timeout_s)
+        _bind_gloo_to_loopback(config.master_addr)
+        dist.init_process_group(config.backend, store=_rendezvous(config, timeout), rank=config.rank,
+                                world_size=config.size, timeout=timeout)
+    elif (dist.get_rank(), dist.get_world_size()) != (config.rank, config.size):
+        raise ValueError(f"torch.distributed is already initialised as rank {dist.get_rank()} of "
+                         f"{dist.get_world_size()}, not rank {config.rank} of {config.size}")
+    dispatch_group = dist.new_group(backend=config.backend)
+    return DEPContext(config, dispatch_group, make_dp_sync(config.dp_sync))
+
+
+def _rendezvous(config: DEPConfig, timeout: timedelta) -> dist.TCPStore:
+    """The TCPStore of the group; rank 0 serves it on a socket bound to `master_addr` only (torch's own
+    server would listen on every interface)."""
+    if config.rank:
+        return dist.TCPStore(config.master_addr, config.master_port, config.size, False, timeout)
+    family = socket.AF_INET6 if ":" in config.master_addr else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((config.master_addr, config.master_port))
+        listener.listen(config.size * 4)
+        store = dist.TCPStore(config.master_addr, config.master_port, config.size, True, timeout,
+                              master_listen_fd=listener.fileno())
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()           # the store owns the listening socket from here
+    return store
+
+
+def _bind_gloo_to_loopback(master_addr: str) -> None:
+    """A loopback master means a one-host group: keep gloo's pair sockets on loopback (Linux's `lo`)."""
+    try:
+        loopback = ipaddress.ip_address(master_addr).is_loopback
+    except ValueError:
+        loopback = master_addr == "localhost"
+    if loopback and sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+def shutdown_dep() -> None:
+    """Leave the process group (every rank calls it once its last step is done)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@torch.inference_mode()
+def dummy_forward(runner: ModelRunner, scratch_block: int) -> None:
+    """One token at position 0 into `scratch_block`: joins the MoE collectives, records no expert load."""
+    batch = ForwardBatch.build([[0]], [0], [[scratch_block]], runner.config.block_size, [False], runner.device)
+    moe = runner.model.moe_layers
+    recorders = [layer.recorder for layer in moe]
+    for layer in moe:
+        layer.recorder = None          # the dummy token is not load: EPLB must not see it
+    try:
+        runner.model(batch, runner.kv_caches)
+    finally:
+        for layer, recorder in zip(moe, recorders):
+            layer.recorder = recorder
+    if runner.expert_load is not None:
+        runner.expert_load.end_step()  # an empty row keeps every rank's ring aligned by global step
+
+
+@dataclass(frozen=True, slots=True)
+class LockstepRecord:
+    """One `step()` of a DEP rank: the DP sync's sums over ranks, and what this rank ran."""
+
+    ranks_with_work: int
+    num_tokens: int            # scheduled tokens, all ranks
+    num_unfinished: int        # requests still running or waiting, all ranks (before this step's outputs)
+    local_tokens: int          # this rank's scheduled tokens (0 for a dummy or idle step)
+    ran_forward: bool
+    dummy: bool
+    stop: bool = False         # some rank asked to stop: every rank leaves the step sequence after this one
+
+
+@dataclass
+class LockstepCounters:
+    steps: int = 0
+    forwards: int = 0
+    dummies: int = 0
+    idle: int = 0
+    sync_s: float = 0.0        # time in the DP sync (includes waiting for slower ranks)
+
+
+class LockstepStepper:
+    """The DEP step after scheduling: DP sync, then the real batch, a dummy forward, or nothing."""
+
+    def __init__(self, dp_sync: DPSync, runner: ModelRunner, scratch_block: int) -> None:
+        self.dp_sync, self.runner, self.scratch_block = dp_sync, runner, scratch_block
+        self.counters = LockstepCounters()
+        self.last: LockstepRecord | None = None
+        self.stop_requested = False
+
+    def request_stop(self) -> None:
+        """This rank wants to stop: the next step's record says `stop` on every rank."""
+        self.stop_requested = True
+
+    def execute(self, output: SchedulerOutput, requests: dict[str, Request],
+                num_unfinished: int) -> dict[str, SampledToken]:
+        """Every rank calls this once per step, whatever it scheduled (collective)."""
+        start = time.perf_counter()
+        local = torch.tensor([int(not output.is_empty), output.num_tokens, num_unfinished, int(self.stop_requested)],
+                             dtype=torch.int64)
+        self.dp_sync.all_reduce(local)
+        ranks_with_work, num_tokens, unfinished, stops = local.tolist()
+        counters = self.counters
+        counters.sync_s += time.perf_counter() - start
+        counters.steps += 1
+        ran, dummy = ranks_with_work > 0, ranks_with_work > 0 and output.is_empty
+        self.last = LockstepRecord(ranks_with_work, num_tokens, unfinished, output.num_tokens, ran, dummy, stops > 0)
+        if not ran:
+            counters.idle += 1
+            return {}
+        counters.forwards += 1
+        if dummy:
+            counters.dummies += 1
+            dummy_forward(self.runner, self.scratch_block)
+            return {}
+        return self.runner.execute(output, requests)
+
+    @property
+    def all_done(self) -> bool:
+        """The last step found no rank with work or requests: every rank agrees (same sums)."""
+        return self.last is not None and self.last.ranks_with_work == 0 and self.last.num_unfinished == 0
+
+
+def run_lockstep(engine: EngineCore, before_step: Callable[[int], None] | None = None,
+                 after_step: Callable[[int, LockstepRecord], None] | None = None,
+                 max_steps: int = 1_000_000) -> list[StepOutput]:
+    """Offline driver: step until no rank has requests left. Every rank calls it (same `max_steps`).
+
+    `before_step(index)` runs at each step boundary (add requests, swap placements: the same on all ranks
+    where it matters), `after_step(index, record)` after each step. Returns this rank's step outputs.
+    """
+    if engine.lockstep is None:
+        raise ValueError("run_lockstep needs an EngineCore built with dep=DEPContext")
+    outputs: list[StepOutput] = []
+    for index in range(max_steps):
+        if before_step is not None:
+            before_step(index)
+        outputs.extend(engine.step())
+        record = engine.lockstep.last
+        if after_step is not None:
+            after_step(index, record)
+        if engine.lockstep.all_done:
+            return outputs
+    raise RuntimeError(f"DEP ranks still had work after {max_steps} steps")

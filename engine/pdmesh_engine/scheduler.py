@@ -1,0 +1,267 @@
+"""Continuous batching with chunked prefill: `schedule()` and `update_from_output()`, pure and deterministic.
+
+Each step gets a token budget. Running requests go first (a decode takes one token, an unfinished
+prefill takes a chunk), then waiting requests in arrival order, which reuse cached prefix blocks.
+When blocks run out, the latest running request is preempted and recomputed later.
+No sockets, no devices: the model runner turns a `SchedulerOutput` into a forward pass.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdmesh_engine.kv_cache import KVCacheManager
+from pdmesh_engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]        # tokens computed this step
+    start_position: int         # position of token_ids[0] (= num_computed_tokens before the step)
+    block_ids: list[int]        # every block the request holds
+    needs_sample: bool          # the chunk reaches the last known token: sample the next one
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]       # single-token decodes first, then longer chunks
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)   # finished since the previous step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one step produced for one request."""
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    new_top_logprobs: list[list[tuple[int, float]]]
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config, self.kv = config, kv
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.waiting_for_kv: dict[str, Request] = {}
+        self.held: dict[str, Request] = {}       # finished, blocks kept until release_held()
+        self._finished_ids: list[str] = []
+
+    # ----- admission -----
+    def add_request(self, request: Request) -> None:
+        self._check_admissible(request)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def reserve(self, request: Request) -> list[int] | None:
+        """Reserve blocks for a prompt whose KV is computed elsewhere; None if the pool is short."""
+        self._check_admissible(request)
+        blocks = self.kv.allocate(request.request_id, request.num_prompt_tokens)
+        if blocks is None:
+            return None
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.requests[request.request_id] = request
+        self.waiting_for_kv[request.request_id] = request
+        return list(blocks)
+
+    def kv_arrived(self, request_id: str, first_token_id: int | None = None) -> StepOutput | None:
+        """The prompt's KV is in the reserved blocks: the request joins the queue to decode.
+
+        Without `first_token_id` the last prompt token is computed again to sample the first output
+        token. A first token that already ends the request (EOS, stop token, max_tokens) finishes it
+        here, and the returned output says why; otherwise None.
+        """
+        request = self.waiting_for_kv.pop(request_id)
+        request.num_computed_tokens = request.num_prompt_tokens - (first_token_id is None)
+        self.kv.cache_blocks(request_id, request.all_token_ids, request.num_computed_tokens)
+        if first_token_id is not None:
+            request.append_output(first_token_id)
+            status = request.check_stop(self.config.max_model_len)
+            if status is not None:
+                self.finish(request_id, status)
+                return StepOutput(request_id, [], [], [], status.value, request.stop_reason,
+                                  request.num_prompt_tokens, request.num_cached_tokens)
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+        return None
+
+    def _check_admissible(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(f"the prompt has {request.num_prompt_tokens} tokens; this engine's context is "
+                             f"{self.config.max_model_len} tokens (prompt plus at least one output token)")
+
+    # ----- the step -----
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            blocks = self.kv.allocate(request.request_id, request.num_computed_tokens + num_new)
+            while blocks is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+                blocks = self.kv.allocate(request.request_id, request.num_computed_tokens + num_new)
+            if blocks is None:
+                break
+            scheduled.append(self._scheduled(request, num_new, blocks))
+            budget -= num_new
+            index += 1
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled)
+        scheduled.sort(key=lambda s: len(s.token_ids) != 1)
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(scheduled, preempted, finished)
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            prefix: list[int] = []
+            computed = request.num_computed_tokens
+            if computed == 0:
+                prefix = self.kv.find_cached_prefix(request.request_id, request.all_token_ids)
+                computed = len(prefix) * self.kv.block_size
+            num_new = min(request.num_tokens - computed, budget)
+            blocks = self.kv.allocate(request.request_id, computed + num_new, prefix)
+            if blocks is None:
+                break
+            self.waiting.popleft()
+            if request.num_preemptions == 0 and request.num_output_tokens == 0:
+                request.num_cached_tokens = computed
+            request.num_computed_tokens = computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(self._scheduled(request, num_new, blocks))
+            budget -= num_new
+        return budget
+
+    def _scheduled(self, request: Request, num_new: int, blocks: list[int]) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(request.request_id, request.all_token_ids[start:start + num_new], start,
+                                blocks, start + num_new == request.num_tokens)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[StepOutput]:
+        """Advance computed counts, append sampled tokens, finish requests that stop."""
+        results: list[StepOutput] = []
+        for item in output.scheduled:
+            request = self.requests.get(item.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue              # aborted while the step ran
+            request.num_computed_tokens += len(item.token_ids)
+            self.kv.cache_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
+            token = sampled.get(item.request_id)
+            if token is None:
+                continue
+            request.append_output(token.token_id)
+            if token.logprob is not None:
+                request.output_logprobs.append(token.logprob)
+                request.output_top_logprobs.append(list(token.top_logprobs))
+            status = request.check_stop(self.config.max_model_len)
+            if status is not None:
+                self.finish(request.request_id, status)
+            results.append(self._step_output(request, token))
+        return results
+
+    def _step_output(self, request: Request, token: SampledToken) -> StepOutput:
+        status = request.status
+        return StepOutput(request.request_id, [token.token_id],
+                          [token.logprob] if token.logprob is not None else [],
+                          [list(token.top_logprobs)] if token.logprob is not None else [],
+                          status.value if status.is_finished else None, request.stop_reason,
+                          request.num_prompt_tokens, request.num_cached_tokens)
+
+    # ----- ending requests -----
+    def finish(self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> bool:
+        """End a request (stop, length or abort) and return its blocks; False if unknown."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        if request in self.running:
+            self.running.remove(request)
+        elif request_id in self.waiting_for_kv:
+            del self.waiting_for_kv[request_id]
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if request.hold_blocks and status is not RequestStatus.FINISHED_ABORTED:
+            self.held[request_id] = request
+        else:
+            self.kv.free(request_id)
+        request.status = status
+        if stop_reason is not None:
+            request.stop_reason = stop_reason
+        self._finished_ids.append(request_id)
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        if self.release_held(request_id):
+            return True
+        return self.finish(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def release_held(self, request_id: str) -> bool:
+        """Free the blocks a finished `hold_blocks` request kept; False if none are held."""
+        if self.held.pop(request_id, None) is None:
+            return False
+        self.kv.free(request_id)
+        return True
+
+    @property
+    def has_unfinished(self) -> bool:
+        """Requests that steps can advance (not those still waiting for KV from elsewhere)."""
+        return bool(self.running or self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.waiting_for_kv)
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        held = set(self.kv.req_blocks)
+        live = {r.request_id for r in self.running} | set(self.waiting_for_kv) | set(self.held)
+        if not held <= live | {r.request_id for r in self.waiting}:
+            raise AssertionError(f"blocks held by requests that are not live: {sorted(held - live)[:5]}")

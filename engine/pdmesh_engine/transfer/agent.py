@@ -1,0 +1,231 @@
+"""A thin, synchronous NIXL (UCX) agent over one KV block pool: the prefill side pushes, the decode side is told.
+
+Chain: decode `KVTransferAgent(name, pool)` → `metadata()` published through the kvstore → prefill
+`connect(name, metadata)` → `write(request_id, local_ids, name, decode_layout, remote_ids)` = ONE NIXL WRITE
+(every layer × coalesced run in one transfer handle, notification = request id) → prefill `poll`/`wait` →
+decode `notifications()` returns the request id once every byte has landed.
+
+Contracts:
+- the pool tensor `[L, N, B, D]` (contiguous, see `pdmesh_engine.transfer.layout`) is registered once and must
+  outlive the agent; the agent never allocates KV memory;
+- one thread drives an agent (the worker's engine thread); a lock only guards against accidental sharing;
+- a WRITE completes only while the receiving agent makes progress, so a receiving (decode) agent keeps
+  NIXL's progress thread (`progress_thread=True`, the default: woken by UCX events, sleeping
+  `progress_delay_us` between idle checks where nixl's own default spins at ~40% of a core per agent);
+  a sending (prefill) agent is driven by its own `poll`/`wait` and is faster without one on few cores
+  (`pdmesh bench kvxfer --sender-progress-thread` shows the difference);
+- `write` raises ValueError for a bad plan and `TransferError` when NIXL refuses to start the transfer;
+  a transfer that starts and then fails ends as FAILED from `poll`/`wait`.
+
+Transport (UCX picks it; `UCX_TLS` overrides): on one host block bytes go by `cma` (one kernel copy,
+process_vm_writev), notifications and connection set-up by `tcp`. UCX's tcp transport listens on every
+network device it is given: `net_devices="lo"` (the default) keeps it on loopback like the services;
+pass e.g. "eth0" (or None: all devices) for agents on other hosts. A `UCX_NET_DEVICES` in the
+environment wins over the argument.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from nixl import _api as nixl_api
+
+from pdmesh_engine.transfer.layout import PoolLayout, plan_write
+
+State = Literal["PENDING", "DONE", "FAILED"]
+_CONFIG_LOCK = threading.Lock()
+
+
+class TransferError(RuntimeError):
+    """NIXL refused a transfer (unknown peer, unregistered memory, backend error)."""
+
+
+@dataclass
+class Transfer:
+    """One WRITE in flight; `state` is final once DONE or FAILED (the NIXL handle is then released)."""
+
+    request_id: str
+    peer_name: str
+    nbytes: int
+    num_regions: int                     # descriptors per side (layers × coalesced runs)
+    started_s: float                     # time.perf_counter() when posted
+    handle: Any = field(default=None, repr=False)
+    state: State = "PENDING"
+    finished_s: float | None = None
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.finished_s is None else self.finished_s - self.started_s
+
+
+@contextlib.contextmanager
+def _ucx_net_devices(devices: str | None) -> Iterator[None]:
+    """UCX_NET_DEVICES=`devices` while an agent is built (UCX reads it then), unless the environment sets it."""
+    if devices is None or "UCX_NET_DEVICES" in os.environ:
+        yield
+        return
+    os.environ["UCX_NET_DEVICES"] = devices
+    try:
+        yield
+    finally:
+        os.environ.pop("UCX_NET_DEVICES", None)
+
+
+def _new_nixl_agent(name: str, progress_thread: bool, progress_delay_us: int, net_devices: str | None) -> Any:
+    """`nixl_agent(name)` with the UCX backend, its network devices and the progress thread's idle delay set.
+
+    nixl's Python wrapper hard-codes `pthrDelay = 0` (a busy loop); the config class is swapped, only
+    while the agent is built, for one that keeps our delay. If the bindings change shape, fall back.
+    """
+    config = nixl_api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+    bindings = getattr(nixl_api, "nixlBind", None)
+    base = getattr(bindings, "nixlAgentConfig", None)
+    with _CONFIG_LOCK, _ucx_net_devices(net_devices):
+        if base is None or not progress_thread:
+            return nixl_api.nixl_agent(name, config)
+
+        class _DelayedConfig(base):   # type: ignore[misc, valid-type]
+            def __setattr__(self, key: str, value: Any) -> None:
+                super().__setattr__(key, progress_delay_us if key == "pthrDelay" else value)
+
+        bindings.nixlAgentConfig = _DelayedConfig
+        try:
+            return nixl_api.nixl_agent(name, config)
+        finally:
+            bindings.nixlAgentConfig = base
+
+
+class KVTransferAgent:
+    """Owns one NIXL agent and the registration of one KV pool."""
+
+    def __init__(self, name: str, kv: torch.Tensor, progress_thread: bool = True, progress_delay_us: int = 1000,
+                 net_devices: str | None = "lo") -> None:
+        if not name:
+            raise ValueError("agent name must not be empty")
+        self.name = name
+        self.layout = PoolLayout.of_tensor(kv)
+        self._kv = kv                                   # keep the memory alive while registered
+        self._lock = threading.RLock()
+        self._agent = _new_nixl_agent(name, progress_thread, progress_delay_us, net_devices)
+        self._registration = self._agent.register_memory(kv)
+        self._peers: dict[str, bytes] = {}              # peer name -> metadata it was added with
+        self.bytes_sent = self.num_transfers = self.num_failures = 0
+        self._closed = False
+
+    def metadata(self) -> bytes:
+        """What peers pass to `connect` (publish it through the kvstore)."""
+        return self._agent.get_agent_metadata()
+
+    def connect(self, peer_name: str, metadata: bytes) -> None:
+        """Make `peer_name` writable; a no-op when already connected with the same metadata.
+
+        New metadata under a known name (the peer restarted) replaces the old connection. ValueError when
+        the metadata names another agent; TransferError when NIXL cannot load it.
+        """
+        if peer_name == self.name:
+            raise ValueError(f"agent {self.name!r} cannot connect to itself")
+        with self._lock:
+            known = self._peers.get(peer_name)
+            if known == metadata:
+                return
+            if known is not None:
+                self._agent.remove_remote_agent(peer_name)
+                del self._peers[peer_name]
+            try:
+                added = self._agent.add_remote_agent(metadata)
+            except Exception as e:  # noqa: BLE001 - nixl raises its own binding exceptions
+                raise TransferError(f"cannot load the metadata of {peer_name!r}: {e}") from e
+            added = added.decode() if isinstance(added, bytes) else added
+            if added != peer_name:
+                self._agent.remove_remote_agent(added)
+                raise ValueError(f"metadata is agent {added!r}, not {peer_name!r}")
+            self._peers[peer_name] = metadata
+
+    def is_connected(self, peer_name: str) -> bool:
+        return peer_name in self._peers
+
+    def write(self, request_id: str, local_block_ids: Sequence[int], peer_name: str, peer_layout: PoolLayout,
+              remote_block_ids: Sequence[int]) -> Transfer:
+        """Post ONE WRITE copying local block `local_block_ids[i]` to the peer's `remote_block_ids[i]`, all layers.
+
+        The peer is notified with `request_id` (utf-8) after the bytes land. Returns at once; see `poll`.
+        """
+        plan = plan_write(self.layout, local_block_ids, peer_layout, remote_block_ids)
+        with self._lock:
+            if peer_name not in self._peers:
+                raise ValueError(f"not connected to agent {peer_name!r}")
+            try:
+                local = self._agent.get_xfer_descs(plan.local, self.layout.memory_type)
+                remote = self._agent.get_xfer_descs(plan.remote, peer_layout.memory_type)
+                handle = self._agent.initialize_xfer("WRITE", local, remote, peer_name, request_id.encode())
+            except Exception as e:  # noqa: BLE001 - nixl raises its own binding exceptions
+                self.num_failures += 1
+                raise TransferError(f"cannot start transfer of {request_id!r} to {peer_name!r}: {e}") from e
+            transfer = Transfer(request_id, peer_name, plan.nbytes, len(plan.local), time.perf_counter(), handle)
+            self.num_transfers += 1
+            if self._agent.transfer(handle) == "ERR":
+                self._finish(transfer, "FAILED")
+            return transfer
+
+    def poll(self, transfer: Transfer) -> State:
+        """Where the transfer stands; DONE and FAILED are final (the NIXL handle is released then)."""
+        with self._lock:
+            if transfer.state != "PENDING":
+                return transfer.state
+            status = self._agent.check_xfer_state(transfer.handle)
+            if status == "DONE":
+                self._finish(transfer, "DONE")
+            elif status == "ERR":
+                self._finish(transfer, "FAILED")
+            return transfer.state
+
+    def wait(self, transfer: Transfer, timeout_s: float = 10.0) -> State:
+        """Poll until final or `timeout_s` passes; PENDING means it timed out (poll again, or `abort`)."""
+        deadline = time.perf_counter() + timeout_s
+        spins = 0
+        while (state := self.poll(transfer)) == "PENDING" and time.perf_counter() < deadline:
+            spins += 1
+            if spins > 100:                 # past the first ~100 polls, stop hogging the core
+                time.sleep(50e-6)
+        return state
+
+    def abort(self, transfer: Transfer) -> None:
+        """Give up on a pending transfer (NIXL cancels it if it can); it ends FAILED."""
+        with self._lock:
+            if transfer.state == "PENDING":
+                self._finish(transfer, "FAILED")
+
+    def notifications(self) -> list[str]:
+        """Request ids whose WRITE has fully landed in this agent's pool since the last call, from any peer."""
+        with self._lock:
+            found = self._agent.get_new_notifs()
+        return [message.decode("utf-8", errors="replace") for messages in found.values() for message in messages]
+
+    def close(self) -> None:
+        """Forget peers and deregister the pool; the agent is unusable afterwards."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for peer in list(self._peers):
+                self._agent.remove_remote_agent(peer)
+            self._peers.clear()
+            self._agent.deregister_memory(self._registration)
+
+    def _finish(self, transfer: Transfer, state: State) -> None:
+        transfer.state, transfer.finished_s = state, time.perf_counter()
+        if state == "DONE":
+            self.bytes_sent += transfer.nbytes
+        else:
+            self.num_failures += 1
+        handle, transfer.handle = transfer.handle, None
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception:  # noqa: BLE001 - a handle NIXL cannot cancel is reclaimed when the agent goes
+            pass

@@ -1,0 +1,155 @@
+"""Where KV blocks lie in a block pool, and which memory regions one hand-off moves (pure: no nixl, no protobuf).
+
+Chain: prefill block ids + decode block ids → `coalesce` → runs → `regions` on each side → the two equal-length
+descriptor lists of ONE NIXL WRITE (see `pdmesh_engine.transfer.agent`).
+
+Legend: L layers, N blocks per layer, B tokens per block, D entry elements per token.
+A pool is the contiguous tensor `[L, N, B, D]` of `pdmesh_engine.kv_cache`; block b of layer l starts at
+`base_address + l * layer_stride_bytes + b * block_bytes` and is `block_bytes = B * D * itemsize` long.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+# (local_start, remote_start, count): `count` consecutive blocks on both sides.
+Run = tuple[int, int, int]
+# (address, nbytes, device_id): one NIXL descriptor.
+Region = tuple[int, int, int]
+MEMORY_TYPES = ("DRAM", "VRAM")
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """The addressing view of a block pool, as a remote agent needs it (mirrors `common.v1.KVLayout`)."""
+
+    base_address: int
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    block_bytes: int
+    layer_stride_bytes: int
+    device_id: int = 0
+    memory_type: str = "DRAM"
+
+    def __post_init__(self) -> None:
+        if min(self.num_layers, self.num_blocks, self.block_size, self.block_bytes) < 1:
+            raise ValueError(f"layout sizes must be positive: {self}")
+        if self.layer_stride_bytes < self.num_blocks * self.block_bytes:
+            raise ValueError(f"layer_stride_bytes {self.layer_stride_bytes} < num_blocks * block_bytes "
+                             f"{self.num_blocks * self.block_bytes}: layers would overlap")
+        if self.memory_type not in MEMORY_TYPES:
+            raise ValueError(f"memory_type must be one of {MEMORY_TYPES}, got {self.memory_type!r}")
+
+    @classmethod
+    def of_tensor(cls, kv: Any) -> "PoolLayout":
+        """The layout of a contiguous `[L, N, B, D]` tensor (torch; duck-typed so this module stays pure)."""
+        if kv.dim() != 4 or not kv.is_contiguous():
+            raise ValueError(f"KV pool must be a contiguous [L, N, B, D] tensor, got shape {tuple(kv.shape)} "
+                             f"(contiguous={kv.is_contiguous()})")
+        num_layers, num_blocks, block_size, entry_dim = kv.shape
+        block_bytes = block_size * entry_dim * kv.element_size()
+        on_gpu = kv.device.type == "cuda"
+        return cls(base_address=kv.data_ptr(), num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
+                   block_bytes=block_bytes, layer_stride_bytes=num_blocks * block_bytes,
+                   device_id=kv.get_device() if on_gpu else 0, memory_type="VRAM" if on_gpu else "DRAM")
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes from the first block of layer 0 to the end of the last block of the last layer."""
+        return (self.num_layers - 1) * self.layer_stride_bytes + self.num_blocks * self.block_bytes
+
+    def block_address(self, layer: int, block: int) -> int:
+        return self.base_address + layer * self.layer_stride_bytes + block * self.block_bytes
+
+    def check_compatible(self, other: "PoolLayout") -> None:
+        """Prefill and decode pools must agree on what a block holds; raises ValueError otherwise."""
+        for name in ("num_layers", "block_size", "block_bytes"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                raise ValueError(f"incompatible KV pools: {name} {mine} != {theirs}")
+
+    def check_block_ids(self, block_ids: Sequence[int], what: str = "block") -> None:
+        for b in block_ids:
+            if not 0 <= b < self.num_blocks:
+                raise ValueError(f"{what} id {b} outside [0, {self.num_blocks})")
+
+
+def check_compatible(local: PoolLayout, remote: PoolLayout) -> None:
+    """`local.check_compatible(remote)`: ValueError unless both pools hold the same blocks."""
+    local.check_compatible(remote)
+
+
+def layout_to_pb(layout: PoolLayout) -> Any:
+    """`common_pb2.KVLayout` of a layout (protobuf imported on call, so this module stays import-pure)."""
+    from pdmesh_engine.transfer import pb
+
+    return pb.layout_to_pb(layout)
+
+
+def layout_from_pb(msg: Any) -> PoolLayout:
+    """The layout a `common_pb2.KVLayout` describes; ValueError if it is empty or inconsistent."""
+    from pdmesh_engine.transfer import pb
+
+    return pb.layout_from_pb(msg)
+
+
+def coalesce(local_ids: Sequence[int], remote_ids: Sequence[int]) -> list[Run]:
+    """Maximal runs where both id lists go up by one together, in the given order.
+
+    `local_ids[i]` is copied to `remote_ids[i]`; the runs cover every i exactly once.
+    """
+    if len(local_ids) != len(remote_ids):
+        raise ValueError(f"{len(local_ids)} local blocks but {len(remote_ids)} remote blocks")
+    runs: list[Run] = []
+    for local, remote in zip(local_ids, remote_ids):
+        if runs:
+            ls, rs, n = runs[-1]
+            if local == ls + n and remote == rs + n:
+                runs[-1] = (ls, rs, n + 1)
+                continue
+        runs.append((local, remote, 1))
+    return runs
+
+
+def regions(layout: PoolLayout, runs: Sequence[Run], side: Literal["local", "remote"] = "local") -> list[Region]:
+    """One region per (layer, run), layer-major: `count` consecutive blocks of one layer are one region.
+
+    `side` picks the run's local or remote start; both sides' lists line up entry by entry.
+    """
+    pick = 0 if side == "local" else 1
+    out: list[Region] = []
+    for layer in range(layout.num_layers):
+        for run in runs:
+            start, count = run[pick], run[2]
+            out.append((layout.block_address(layer, start), count * layout.block_bytes, layout.device_id))
+    return out
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    """Both descriptor lists of one WRITE: `local[i]` (addr, nbytes, dev) is copied to `remote[i]`."""
+
+    local: list[Region]
+    remote: list[Region]
+    nbytes: int               # total bytes moved (all layers)
+    num_blocks: int           # blocks per layer
+
+
+def plan_write(local: PoolLayout, local_ids: Sequence[int], remote: PoolLayout,
+               remote_ids: Sequence[int]) -> WritePlan:
+    """Validate a block copy local_ids[i] → remote_ids[i] (every layer) and build its regions; ValueError if bad."""
+    local.check_compatible(remote)
+    if not local_ids:
+        raise ValueError("nothing to write: no blocks")
+    if len(local_ids) != len(remote_ids):
+        raise ValueError(f"{len(local_ids)} local blocks but {len(remote_ids)} remote blocks "
+                         "(pass the remote ids of the blocks written, e.g. target.block_ids[:len(local)])")
+    local.check_block_ids(local_ids, "local block")
+    remote.check_block_ids(remote_ids, "remote block")
+    if len(set(remote_ids)) != len(remote_ids):
+        raise ValueError(f"remote block ids repeat: {list(remote_ids)}")
+    runs = coalesce(local_ids, remote_ids)
+    return WritePlan(local=regions(local, runs, "local"), remote=regions(remote, runs, "remote"),
+                     nbytes=len(local_ids) * local.num_layers * local.block_bytes, num_blocks=len(local_ids))

@@ -1,0 +1,130 @@
+"""An asyncio gRPC server with the standard health service and one error interceptor.
+
+Servicers raise domain errors (`pdmesh_service.errors`) or ValueError; the interceptor turns
+them into status codes and binds the caller's request id (gRPC metadata `x-request-id`) to the logs.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import _async as health_async
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdmesh_service.errors import MeshError
+from pdmesh_service.logging import bind_request_id, get_logger
+
+log = get_logger(__name__)
+REQUEST_ID_METADATA = "x-request-id"
+ADMITTED_METADATA = "x-pdmesh-admitted"    # decode.Decode's initial metadata: the request is in the batch
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+def status_of(error: BaseException) -> grpc.StatusCode | None:
+    if isinstance(error, MeshError):
+        return grpc.StatusCode[error.grpc_code]
+    if isinstance(error, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return None
+
+
+def _request_id(context: grpc.aio.ServicerContext) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == REQUEST_ID_METADATA:
+            return value
+    return ""
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps domain errors to status codes; binds the request id for the handler's logs."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith("/grpc.health"):
+            return handler
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                self._wrap_unary(handler.unary_unary, details.method),
+                request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                self._wrap_stream(handler.unary_stream, details.method),
+                request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+        return handler
+
+    @staticmethod
+    def _wrap_unary(inner: Callable, method: str) -> Callable:
+        async def call(request, context):
+            bind_request_id(_request_id(context))
+            try:
+                return await inner(request, context)
+            except Exception as e:  # noqa: BLE001 - mapped or re-raised below
+                await _abort(context, e, method)
+        return call
+
+    @staticmethod
+    def _wrap_stream(inner: Callable, method: str) -> Callable:
+        async def call(request, context):
+            bind_request_id(_request_id(context))
+            try:
+                async for item in inner(request, context):
+                    yield item
+            except Exception as e:  # noqa: BLE001 - mapped or re-raised below
+                await _abort(context, e, method)
+        return call
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: Exception, method: str) -> None:
+    code = status_of(error)
+    if code is None:
+        if isinstance(error, grpc.aio.AbortError):
+            raise error
+        log.exception("unhandled error", method=method)
+        await context.abort(grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
+    await context.abort(code, str(error))
+
+
+@dataclass
+class GrpcServer:
+    server: grpc.aio.Server
+    health: health_async.HealthServicer
+    port: int
+    service_names: tuple[str, ...]
+
+    async def set_serving(self, serving: bool = True) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float = 2.0) -> None:
+        await self.set_serving(False)
+        await self.server.stop(grace)
+
+
+async def start_grpc_server(host: str, port: int, register: Iterable[Callable[[grpc.aio.Server], None]],
+                            service_names: Iterable[str]) -> GrpcServer:
+    """Start serving (health NOT_SERVING until `set_serving()`); port 0 picks a free port."""
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=[
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+    for add in register:
+        add(server)
+    health = health_async.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC on {host}:{port}")
+    await server.start()
+    result = GrpcServer(server, health, bound, tuple(service_names))
+    await result.set_serving(False)
+    return result
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    """A client channel with the mesh's message limits."""
+    return grpc.aio.insecure_channel(address, options=[
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+
+
+def request_metadata(request_id: str) -> tuple[tuple[str, str], ...]:
+    return ((REQUEST_ID_METADATA, request_id),)

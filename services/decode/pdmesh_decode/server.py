@@ -1,0 +1,77 @@
+"""`pdmesh serve decode`: a decode rank (wiring only; see `worker.runtime.run_worker`)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdmesh_proto.decode.v1 import decode_pb2_grpc
+
+from pdmesh_service.worker.engine_options import add_engine_options, engine_config, resolve_model
+from pdmesh_engine.config import EngineConfig
+from pdmesh_service.options import CommonConfig, add_common_arguments, common_from_args
+from pdmesh_decode.receiver import DEFAULT_QUARANTINE_S, KVReceiver
+from pdmesh_decode.servicer import DecodeServicer
+from pdmesh_service.worker.dep_instance import DEPOptions, add_dep_arguments, dep_from_args, rank_common, run_instance
+from pdmesh_service.worker.runtime import WorkerParts, WorkerSpec, run_worker
+from pdmesh_engine.transfer.pb import layout_to_pb
+
+ROLE = "decode"
+SERVICE_NAME = "pdmesh.decode.v1.Decode"
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    common: CommonConfig
+    model_dir: Path
+    engine: EngineConfig
+    kvstore: str = ""            # host:port of the kvstore; empty: find it in the registry
+    lease_ms: int = 10000        # default reservation lease
+    kv_quarantine_s: float = DEFAULT_QUARANTINE_S   # cap on holding blocks a late KV write may land in
+    dep: DEPOptions = DEPOptions()                  # --dep N: N rank processes (see worker.dep_instance)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.lease_ms < 2**32:
+            raise ValueError(f"--lease-ms must be positive, got {self.lease_ms}")
+        if not self.kv_quarantine_s > 0:
+            raise ValueError(f"--kv-quarantine-s must be positive, got {self.kv_quarantine_s}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_arguments(parser)
+    add_engine_options(parser)
+    add_dep_arguments(parser)
+    g = parser.add_argument_group("decode")
+    g.add_argument("--kvstore", default="", help="kvstore address host:port (default: from the registry)")
+    g.add_argument("--lease-ms", type=int, default=10000, help="how long reserved blocks wait for their KV")
+    g.add_argument("--kv-quarantine-s", type=float, default=DEFAULT_QUARANTINE_S,
+                   help="at most this long, blocks of an ended reservation whose KV write may still land stay "
+                        "out of the pool (freed as soon as the write's notification arrives)")
+
+
+def config_from_args(args: argparse.Namespace) -> DecodeConfig:
+    dep = dep_from_args(args)
+    return DecodeConfig(rank_common(common_from_args(args), ROLE, dep), resolve_model(args.model), engine_config(args),
+                        args.kvstore, args.lease_ms, args.kv_quarantine_s, dep)
+
+
+def _servicer(config: DecodeConfig):
+    def make(parts: WorkerParts) -> DecodeServicer:
+        receiver = KVReceiver(parts.engine, quarantine_s=config.kv_quarantine_s)
+        servicer = DecodeServicer(parts.engine, receiver, parts.kvstore, parts.instance_id, parts.agent.name,
+                                  layout_to_pb(parts.agent.layout), config.lease_ms)
+        receiver.on_event = servicer.on_event
+        return servicer
+    return make
+
+
+async def serve(config: DecodeConfig, ready: asyncio.Event | None = None) -> None:
+    """Serve until cancelled; `ready` is set once the rank takes requests."""
+    spec = WorkerSpec(ROLE, SERVICE_NAME, _servicer(config), decode_pb2_grpc.add_DecodeServicer_to_server)
+    await run_worker(spec, config.common, config.model_dir, config.engine, config.kvstore, ready, config.dep)
+
+
+def supervise(role: str, argv: list[str], config: DecodeConfig) -> int:
+    """`--dep N` without `--dep-rank`: run and watch the instance's N rank processes."""
+    return run_instance(role, argv, config.common, config.model_dir, config.dep)

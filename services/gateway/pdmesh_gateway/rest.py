@@ -1,0 +1,192 @@
+"""The OpenAI-compatible REST API (Starlette): route handlers over `openai_api` and the orchestrator.
+
+Domain errors become OpenAI error objects here (one place). Streams are SSE `data: {...}` chunks
+ending with `data: [DONE]`; an error after the first chunk is sent as a `data: {"error": ...}`
+chunk. A client that disconnects cancels the upstream work, streaming or not.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import asdict
+from typing import Any, TypeVar
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from pdmesh_engine.tokenizer import Tokenizer
+from pdmesh_service.errors import InvalidArgument, MeshError
+from pdmesh_service.logging import get_logger
+from pdmesh_gateway.core import Completion, GenerationEvent, ModelInfo
+from pdmesh_gateway.openai_api import (OpenAIRequest, Shaper, error_body, models_response, parse_chat,
+                                                parse_completion)
+from pdmesh_gateway.orchestrator import Orchestrator
+
+log = get_logger(__name__)
+T = TypeVar("T")
+_HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 400: "invalid_request_error"}
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the response was ready."""
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def error_response(error: MeshError) -> JSONResponse:
+    return JSONResponse(error_body(error), status_code=error.http_status)
+
+
+async def _read_json(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        error = InvalidArgument(f"the request body is not valid JSON: {e}")
+        error.param = None
+        raise error from None
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (and raising ClientGone) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientGone()
+    finally:
+        for t in (task, watcher):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+
+
+class _EventStream(StreamingResponse):
+    """A StreamingResponse that always closes its body iterator (so upstream work is cancelled)."""
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - ASGI signature
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()
+
+
+async def _stream_body(shaper: Shaper, first: GenerationEvent,
+                       events: AsyncIterator[GenerationEvent]) -> AsyncIterator[str]:
+    try:
+        event = first
+        while True:
+            for chunk in shaper.chunks(event):
+                yield _sse(chunk)
+            if event.finish_reason is not None:
+                break
+            event = await events.__anext__()
+        if shaper.req.include_usage:
+            yield _sse(shaper.usage_chunk(event.usage))
+    except MeshError as e:
+        yield _sse(error_body(e))
+    finally:
+        await events.aclose()
+    yield "data: [DONE]\n\n"
+
+
+async def _collect(events: AsyncIterator[GenerationEvent]) -> Completion:
+    result = Completion()
+    async with contextlib.aclosing(events):
+        async for event in events:
+            result.add(event)
+    return result
+
+
+class _Handlers:
+    """Route handlers: each a few lines over openai_api and the orchestrator."""
+
+    def __init__(self, orchestrator: Orchestrator, tokenizer: Tokenizer, model: ModelInfo,
+                 registry: CollectorRegistry) -> None:
+        self.orchestrator, self.tokenizer, self.model, self.registry = orchestrator, tokenizer, model, registry
+
+    async def _generate(self, request: Request,
+                        parse: Callable[[Any, Tokenizer, ModelInfo], OpenAIRequest]) -> Response:
+        try:
+            req = parse(await _read_json(request), self.tokenizer, self.model)
+        except MeshError as e:
+            self.orchestrator.metrics.rejected(e)
+            raise
+        shaper = Shaper(req, self.tokenizer)
+        events = self.orchestrator.generate(req.request)
+        try:
+            if not req.stream:
+                return JSONResponse(shaper.response(await _unless_disconnected(request, _collect(events))))
+            first = await _unless_disconnected(request, events.__anext__())
+        except ClientGone:
+            log.info("client disconnected", request_id=req.request.request_id)
+            await events.aclose()
+            return Response(status_code=499)
+        except BaseException:
+            await events.aclose()
+            raise
+        return _EventStream(_stream_body(shaper, first, events), media_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache", "X-Request-Id": req.request.request_id})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, parse_completion)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, parse_chat)
+
+    async def models(self, _: Request) -> Response:
+        return JSONResponse(models_response(self.model))
+
+    async def health(self, _: Request) -> Response:
+        """200 when a request can be routed now (a ready decode rank), else 503."""
+        router, ok = self.orchestrator.router, self.orchestrator.is_routable()
+        body = {"status": "ok" if ok else "unavailable", "mode": self.orchestrator.mode,
+                "decode": len(router.ready("decode")), "prefill": len(router.ready("prefill"))}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def metrics(self, _: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def mesh(self, _: Request) -> Response:
+        """Every registered instance with its role, rank, address, readiness and stats."""
+        now_ms = int(time.time() * 1000)
+        return JSONResponse([{**asdict(i), "age_ms": max(now_ms - i.updated_ms, 0)}
+                             for i in self.orchestrator.router.snapshot()])
+
+
+async def _mesh_error(_: Request, error: Exception) -> Response:
+    return error_response(error)
+
+
+async def _http_error(_: Request, error: Exception) -> Response:
+    status = getattr(error, "status_code", 500)
+    body = {"error": {"message": str(getattr(error, "detail", error)), "param": None, "code": None,
+                      "type": _HTTP_ERROR_TYPES.get(status, "invalid_request_error")}}
+    return JSONResponse(body, status_code=status)
+
+
+def create_app(orchestrator: Orchestrator, tokenizer: Tokenizer, model: ModelInfo,
+               registry: CollectorRegistry | None = None) -> Starlette:
+    """The gateway's HTTP app; `registry` is what /metrics exposes (default: the process registry)."""
+    h = _Handlers(orchestrator, tokenizer, model, registry or REGISTRY)
+    routes = [Route("/v1/completions", h.completions, methods=["POST"]),
+              Route("/v1/chat/completions", h.chat, methods=["POST"]),
+              Route("/v1/models", h.models, methods=["GET"]), Route("/health", h.health, methods=["GET"]),
+              Route("/metrics", h.metrics, methods=["GET"]), Route("/mesh", h.mesh, methods=["GET"])]
+    return Starlette(routes=routes, exception_handlers={MeshError: _mesh_error, HTTPException: _http_error})
