@@ -1,7 +1,7 @@
 """The local launcher behind `pdmesh up`: plan the mesh's processes, start them, watch them, stop them.
 
 plan_mesh(MeshOptions) → [ServiceSpec] (pure: names, ports, argv) → Mesh.start(): Redis (embedded
-unless a URL is given) → kvstore → prefill and decode instances → gateway, each waited for through the
+unless a URL is given) → kvstore → eplb → prefill and decode instances → gateway, each waited for through the
 standard gRPC health service (every rank of a DEP instance) → Mesh.stop(): SIGTERM in reverse order,
 SIGKILL after a grace period. Children also get SIGTERM if the launcher dies (PR_SET_PDEATHSIG), so no
 process is orphaned. A DEP instance (`--prefill-dep`/`--decode-dep` N > 1) is one `pdmesh serve ROLE --dep N`
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pdmesh_service.redis_server import EmbeddedRedis, free_port, free_port_block
 
-ROLE_ORDER = ("kvstore", "prefill", "decode", "gateway")
+ROLE_ORDER = ("kvstore", "eplb", "prefill", "decode", "gateway")
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,9 @@ def plan_mesh(options: MeshOptions, redis_url: str, port_of=free_port, block_of=
     kvstore = f"{host}:{kv_port}"
     specs.append(ServiceSpec("kvstore-0", "kvstore", kvstore, common("kvstore", "kvstore-0", kv_port, kv_metrics),
                              kv_metrics))
+    eplb_port, eplb_metrics = port_of(host), port_of(host)
+    specs.append(ServiceSpec("eplb-0", "eplb", f"{host}:{eplb_port}",
+                             common("eplb", "eplb-0", eplb_port, eplb_metrics), eplb_metrics))
     num_prefill = options.num_prefill if options.mode == "disagg" else 0
     for role, count in (("prefill", num_prefill), ("decode", options.num_decode)):
         size = options.dep(role)

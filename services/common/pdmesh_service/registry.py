@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from pdmesh_service.logging import get_logger
 
 log = get_logger(__name__)
-ROLES = ("gateway", "prefill", "decode", "kvstore")
+ROLES = ("gateway", "prefill", "decode", "kvstore", "eplb")
 
 
 @dataclass(frozen=True)

@@ -143,3 +143,11 @@ def test_launcher_passes_gateway_admission_only_when_set() -> None:
     argv = gateway_argv(max_prefill_inflight=3)
     assert argv[argv.index("--max-prefill-inflight") + 1] == "3"
     assert "--max-prefill-inflight" not in gateway_argv()
+
+
+def test_plan_mesh_starts_the_eplb_controller_after_the_kvstore() -> None:
+    specs = plan_mesh(MeshOptions(model_dir=Path("/m")), "redis://127.0.0.1:1/0")
+    roles = [s.role for s in specs]
+    assert roles.index("kvstore") < roles.index("eplb") < roles.index("prefill") < roles.index("gateway")
+    eplb = next(s for s in specs if s.role == "eplb")
+    assert eplb.argv[eplb.argv.index("serve") + 1] == "eplb" and "--model" not in eplb.argv
