@@ -9,7 +9,6 @@ process that runs its N ranks on N consecutive ports (`ServiceSpec.addresses`).
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -18,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdmesh_service.process import die_with_parent
 from pdmesh_service.redis_server import EmbeddedRedis, free_port, free_port_block
 
 ROLE_ORDER = ("kvstore", "eplb", "prefill", "decode", "gateway")
@@ -124,14 +124,6 @@ def _dep_argv(options: MeshOptions, size: int) -> tuple[str, ...]:
     return argv + (("--dp-sync", options.dp_sync) if options.dp_sync else ())
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it when the launcher exits (Linux)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 @dataclass
 class Mesh:
     options: MeshOptions
@@ -169,7 +161,8 @@ class Mesh:
         log = open(self.options.log_dir / f"{spec.name}.log", "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.processes[spec.name] = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                                     stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                                     stdin=subprocess.DEVNULL,
+                                                     preexec_fn=die_with_parent(signal.SIGTERM))
         log.close()
 
     def _wait_serving(self, spec: ServiceSpec, address: str, deadline: float) -> None:

@@ -1,12 +1,12 @@
-"""Reading a Hugging Face model directory from local disk: config, generation defaults, safetensors.
+"""Reading a Hugging Face model directory from local disk: generation defaults, safetensors.
 
-Nothing here downloads anything: `model_dir` is a plain local directory holding `config.json`,
-one or several `*.safetensors` files (with `model.safetensors.index.json` when sharded) and
-optionally `generation_config.json`. Tensors are streamed one at a time, never a whole file.
+The hyper-parameters are `ModelConfig.from_dir` (config.py). Nothing here downloads anything:
+`model_dir` is a plain local directory holding `config.json`, one or several `*.safetensors` files
+(with `model.safetensors.index.json` when sharded) and optionally `generation_config.json`. Tensors
+are streamed one at a time, never a whole file.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from pdmesh_engine.config import CheckpointError, ModelConfig
+from pdmesh_engine.config import DTYPE_NAMES, CheckpointError, read_json
 
 INDEX_FILE = "model.safetensors.index.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -22,15 +22,7 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 # generation_config.json keys passed through as sampling defaults when present.
 _GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens",
                     "do_sample", "pad_token_id", "bos_token_id")
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read ({e})") from e
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}    # torch_dtype name -> torch.dtype
 
 
 def _require_dir(model_dir: str | Path) -> Path:
@@ -49,7 +41,7 @@ def find_safetensors(model_dir: str | Path) -> list[Path]:
     path = _require_dir(model_dir)
     index_path = path / INDEX_FILE
     if index_path.is_file():
-        index = _read_json(index_path)
+        index = read_json(index_path)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index_path}: has no 'weight_map' (tensor name -> file)")
@@ -103,11 +95,6 @@ def expect_shape(name: str, tensor: torch.Tensor, shape: Sequence[int]) -> torch
     return tensor
 
 
-def load_model_config(model_dir: str | Path) -> ModelConfig:
-    """The model's hyper-parameters from `config.json` (see ModelConfig.from_dir)."""
-    return ModelConfig.from_dir(_require_dir(model_dir))
-
-
 def _as_id_tuple(value: Any, path: Path) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -127,14 +114,14 @@ def load_generation_defaults(model_dir: str | Path) -> dict[str, Any]:
     gen_path = path / GENERATION_CONFIG_FILE
     raw: dict[str, Any] = {}
     if gen_path.is_file():
-        loaded = _read_json(gen_path)
+        loaded = read_json(gen_path)
         if not isinstance(loaded, dict):
             raise CheckpointError(f"{gen_path}: expected a JSON object")
         raw = loaded
     out: dict[str, Any] = {k: raw[k] for k in _GENERATION_KEYS if raw.get(k) is not None}
     eos = _as_id_tuple(raw.get("eos_token_id"), gen_path)
     if not eos and (path / "config.json").is_file():
-        config_raw = _read_json(path / "config.json")
+        config_raw = read_json(path / "config.json")
         if isinstance(config_raw, dict):
             eos = _as_id_tuple(config_raw.get("eos_token_id"), path / "config.json")
     out["eos_token_ids"] = eos

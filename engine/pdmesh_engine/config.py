@@ -11,10 +11,21 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")   # weight/KV dtypes, as config.json's torch_dtype names them
 
 
 class CheckpointError(ValueError):
     """A checkpoint directory that cannot be loaded: missing file, unsupported model, bad tensor."""
+
+
+def read_json(path: Path) -> Any:
+    """A checkpoint's JSON file; CheckpointError naming the file if it is unreadable or not JSON."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e})") from e
 
 
 @dataclass(frozen=True)
@@ -134,14 +145,13 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        """The model's hyper-parameters from `model_dir/config.json`."""
+        if not Path(model_dir).is_dir():
+            raise CheckpointError(f"{model_dir}: not a directory (expected a Hugging Face model directory)")
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise CheckpointError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{path}: not valid JSON ({e})") from e
-        return cls.from_dict(raw)
+        return cls.from_dict(read_json(path))
 
 
 @dataclass(frozen=True)
@@ -174,5 +184,5 @@ class EngineConfig:
             raise ValueError(f"expert_load_window must be >= 1, got {self.expert_load_window}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

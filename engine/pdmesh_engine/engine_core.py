@@ -2,15 +2,32 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdmesh_engine.config import EngineConfig, ModelConfig
 from pdmesh_engine.kv_cache import KVCacheManager, KVCacheStats
 from pdmesh_engine.model_runner import ModelRunner
 from pdmesh_engine.parallel.dep import DEPContext, LockstepStepper
 from pdmesh_engine.request import Request, RequestStatus
-from pdmesh_engine.sampling import SamplingParams
+from pdmesh_engine.sampling import SamplingParams, check_prompt
 from pdmesh_engine.scheduler import Scheduler, SchedulerConfig, StepOutput
+
+if TYPE_CHECKING:
+    import torch
+
+    from pdmesh_engine.model_runner import KVLayout
+
+
+@dataclass(frozen=True)
+class CoreStatus:
+    """The engine at one moment (see `EngineCore.status`)."""
+
+    num_running: int            # requests in the running batch
+    num_waiting: int            # requests waiting to run or waiting for KV from elsewhere
+    kv: KVCacheStats
+    expert_weight_bytes: int    # routed-expert weights this rank holds (about 1/dp_size of them under DEP)
 
 
 class EngineCore:
@@ -61,13 +78,10 @@ class EngineCore:
 
     def _make_request(self, prompt_token_ids: list[int], params: SamplingParams,
                       request_id: str | None) -> Request:
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        params.validate_for_vocab(vocab)
+        check_prompt(prompt_token_ids, vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len)
+        params.validate_for_vocab(self.model_config.vocab_size)
         return Request(request_id or f"req-{next(self._ids)}", list(prompt_token_ids), params,
-                       eos_token_ids=self.model_config.eos_token_ids, device=str(self.runner.device))
+                       eos_token_ids=self.model_config.eos_token_ids)
 
     def step(self) -> list[StepOutput]:
         output = self.scheduler.schedule()
@@ -94,3 +108,20 @@ class EngineCore:
 
     def kv_stats(self) -> KVCacheStats:
         return self.kv.stats()
+
+    def status(self) -> CoreStatus:
+        return CoreStatus(self.scheduler.num_running, self.scheduler.num_waiting, self.kv.stats(),
+                          self.runner.expert_weight_bytes())
+
+    def request_ids(self) -> list[str]:
+        """Every request this engine holds state or blocks for (queued, running, waiting for KV, held)."""
+        return [*self.scheduler.requests, *self.scheduler.held]
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return self.runner.kv_layout
+
+    @property
+    def kv_caches(self) -> torch.Tensor:
+        """The KV pool, [num_layers, num_blocks, block_size, entry_dim] (what a NIXL agent registers)."""
+        return self.runner.kv_caches

@@ -2,7 +2,7 @@
 
 Tokens of all scheduled requests are flattened into one sequence. Sequences are ordered with the
 single-token decodes first (`num_decodes` of them, one token each), then the multi-token chunks
-(prefill chunks, or verification of speculative tokens).
+(prefill chunks, including a preempted request's recomputation).
 
 Legend: T tokens in the step, B sequences, M max blocks per sequence.
 """

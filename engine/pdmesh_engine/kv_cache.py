@@ -1,8 +1,9 @@
 """Paged KV cache: the block pool (memory and bookkeeping) and the per-request block manager.
 
-Memory: one contiguous tensor `[num_layers, num_blocks, block_size, L + R]` holding the MLA latent
-and rope key of every cached token; a block's bytes in one layer are contiguous, so the pool can be
-registered once with NIXL and addressed per (layer, block).
+Memory (allocated by the model runner, `model_runner.allocate_kv_memory`; this module is pure
+bookkeeping and imports no torch): one contiguous tensor `[num_layers, num_blocks, block_size, L + R]`
+holding the MLA latent and rope key of every cached token; a block's bytes in one layer are contiguous,
+so the pool can be registered once with NIXL and addressed per (layer, block).
 
 Bookkeeping invariants (checked by `check_integrity`):
 - every block is in exactly one of: in use (ref_count > 0), cached (ref 0, has a hash, evictable),
@@ -14,8 +15,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-
-import torch
 
 from pdmesh_engine.block_hash import BlockHash, hash_full_blocks
 
@@ -192,9 +191,3 @@ class KVCacheManager:
     def stats(self) -> KVCacheStats:
         free, cached, used = self.pool.counts()
         return KVCacheStats(self.pool.num_blocks, free, cached, used, self.prefix_queries, self.prefix_hits)
-
-
-def allocate_kv_memory(num_layers: int, num_blocks: int, block_size: int, entry_dim: int,
-                       dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The pool's memory: [num_layers, num_blocks, block_size, entry_dim], zeroed, contiguous."""
-    return torch.zeros((num_layers, num_blocks, block_size, entry_dim), dtype=dtype, device=device)

@@ -1,7 +1,9 @@
-"""`LLM`: the offline API. Text or token ids in, completions out, all prompts batched together.
+"""The offline drivers. `LLM`: text or token ids in, completions out, all prompts batched together.
 
     llm = LLM(model_dir)
     outputs = llm.generate(["Hello", "The sky is"], SamplingParams(max_tokens=16, temperature=0))
+
+`run_lockstep(engine)`: steps one rank of a DEP instance until no rank has requests left.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Union
 
 from pdmesh_engine.config import EngineConfig
 from pdmesh_engine.engine_core import EngineCore
+from pdmesh_engine.parallel.dep import LockstepRecord
 from pdmesh_engine.sampling import SamplingParams, find_stop_string
 from pdmesh_engine.scheduler import StepOutput
 from pdmesh_engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -58,7 +61,8 @@ class OutputProcessor:
             delta += detok.flush()      # the stream ends: emit a held-back incomplete character too
         out.text += delta
         out.finish_reason, out.stop_reason = step.finish_reason, step.stop_reason
-        if params.stop and out.finish_reason is None or (params.stop and out.finish_reason == "length"):
+        # a stop string may still cut a running request, or the text of one that ran out of length
+        if params.stop and out.finish_reason in (None, "length"):
             hit = find_stop_string(out.text, params.stop, len(delta))
             if hit is not None:
                 index, stop = hit
@@ -109,3 +113,26 @@ class LLM:
                 if out.finished:
                     results[out.request_id] = out
         return [results[i] for i in ids]
+
+
+def run_lockstep(engine: EngineCore, before_step: Callable[[int], None] | None = None,
+                 after_step: Callable[[int, LockstepRecord], None] | None = None,
+                 max_steps: int = 1_000_000) -> list[StepOutput]:
+    """Offline driver: step until no rank has requests left. Every rank calls it (same `max_steps`).
+
+    `before_step(index)` runs at each step boundary (add requests, swap placements: the same on all ranks
+    where it matters), `after_step(index, record)` after each step. Returns this rank's step outputs.
+    """
+    if engine.lockstep is None:
+        raise ValueError("run_lockstep needs an EngineCore built with dep=DEPContext")
+    outputs: list[StepOutput] = []
+    for index in range(max_steps):
+        if before_step is not None:
+            before_step(index)
+        outputs.extend(engine.step())
+        record = engine.lockstep.last
+        if after_step is not None:
+            after_step(index, record)
+        if engine.lockstep.all_done:
+            return outputs
+    raise RuntimeError(f"DEP ranks still had work after {max_steps} steps")

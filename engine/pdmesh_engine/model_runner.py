@@ -2,6 +2,13 @@
 
 `execute(SchedulerOutput) -> {request_id: SampledToken}`: build a `ForwardBatch`, run the model,
 compute logits only for rows that sample, sample. The only place that touches the device.
+
+Per-request device state lives here, keyed by request id, not on the (pure) `Request`: a seeded
+request's `torch.Generator` is made when the request is first sampled and dropped when the scheduler
+reports it finished (`SchedulerOutput.finished_ids`, aborts included). Its state is a function of
+(seed, tokens sampled so far): the sampler draws exactly one [V] Exp(1) vector per sample of a
+non-greedy row, so a request whose first token was sampled elsewhere (decode after prefill) starts one
+draw ahead, and a preempted request keeps its generator.
 """
 from __future__ import annotations
 
@@ -12,17 +19,14 @@ from typing import Any
 
 import torch
 
-from pdmesh_engine.checkpoint import iter_tensors
+from pdmesh_engine.checkpoint import DTYPES, iter_tensors
 from pdmesh_engine.config import EngineConfig, ModelConfig
 from pdmesh_engine.forward_batch import ForwardBatch
-from pdmesh_engine.kv_cache import allocate_kv_memory
 from pdmesh_engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 from pdmesh_engine.model.moe import ExpertLoadRecorder, MoE
 from pdmesh_engine.request import Request
-from pdmesh_engine.sampler import Sampler
+from pdmesh_engine.sampler import Sampler, SamplerOutput
 from pdmesh_engine.scheduler import SampledToken, SchedulerOutput
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -34,10 +38,16 @@ def resolve_device(name: str) -> torch.device:
 def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
     """auto: float32 on CPU (faster than bf16 on most CPUs), the checkpoint's dtype on GPUs."""
     if name != "auto":
-        return _DTYPES[name]
+        return DTYPES[name]
     if device.type == "cpu":
         return torch.float32
-    return _DTYPES.get(model_config.torch_dtype, torch.bfloat16)
+    return DTYPES.get(model_config.torch_dtype, torch.bfloat16)
+
+
+def allocate_kv_memory(num_layers: int, num_blocks: int, block_size: int, entry_dim: int,
+                       dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The KV pool's memory: [num_layers, num_blocks, block_size, entry_dim], zeroed, contiguous."""
+    return torch.zeros((num_layers, num_blocks, block_size, entry_dim), dtype=dtype, device=device)
 
 
 @dataclass(frozen=True)
@@ -82,11 +92,10 @@ class ModelRunner:
         self.kv_caches = allocate_kv_memory(self.kv_layout.num_layers, self.kv_layout.num_blocks,
                                             config.block_size, self.kv_layout.entry_dim, self.dtype, self.device)
         self.sampler = Sampler(seed=config.seed)
+        self.generators: dict[str, torch.Generator] = {}    # seeded requests being served, by request id
         moe = self.model.moe_layers
         self.expert_load = ExpertLoadRecorder(len(moe), moe[0].placement.num_physical,
                                               config.expert_load_window, self.device) if moe else None
-        for layer in moe:
-            layer.recorder = self.expert_load
 
     def expert_weight_bytes(self) -> int:
         """Bytes of the routed experts' weights held here (w13 + w2 of every MoE layer, MTP included)."""
@@ -113,25 +122,45 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput, requests: dict[str, Request]) -> dict[str, SampledToken]:
+        """Run one scheduled step (`requests`: the scheduler's live requests by id); forget finished ones first."""
+        self.end_requests(output.finished_ids)
         if output.is_empty:
             return {}
         items = output.scheduled
         batch = ForwardBatch.build([s.token_ids for s in items], [s.start_position for s in items],
                                    [s.block_ids for s in items], self.config.block_size,
                                    [s.needs_sample for s in items], self.device)
-        hidden = self.model(batch, self.kv_caches)
+        hidden = self.model(batch, self.kv_caches, self.expert_load)
         if self.expert_load is not None:
             self.expert_load.end_step()
         sampling = [requests[s.request_id] for s in items if s.needs_sample]
         if not sampling:
             return {}
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        result = self.sampler(logits, [r.sampling_params for r in sampling], [r.generator for r in sampling],
+        result = self.sampler(logits, [r.sampling_params for r in sampling], [self._generator(r) for r in sampling],
                               [r.banned_token_ids() for r in sampling])
         return self._to_tokens(sampling, result)
 
+    def end_requests(self, request_ids: list[str]) -> None:
+        """Drop the per-request state of requests that finished or were aborted."""
+        for request_id in request_ids:
+            self.generators.pop(request_id, None)
+
+    def _generator(self, request: Request) -> torch.Generator | None:
+        """The seeded request's generator (made on its first sample), None for an unseeded one."""
+        seed = request.sampling_params.seed
+        if seed is None:
+            return None
+        generator = self.generators.get(request.request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+            if not request.sampling_params.is_greedy:    # tokens sampled before this engine saw it
+                self.sampler.skip_draws(generator, self.model_config.vocab_size, request.num_output_tokens)
+            self.generators[request.request_id] = generator
+        return generator
+
     @staticmethod
-    def _to_tokens(requests: list[Request], result) -> dict[str, SampledToken]:
+    def _to_tokens(requests: list[Request], result: SamplerOutput) -> dict[str, SampledToken]:
         token_ids = result.token_ids.tolist()
         logprobs = result.logprobs.tolist() if result.logprobs is not None else None
         top_ids = result.top_ids.tolist() if result.top_ids is not None else None

@@ -3,6 +3,9 @@
 `num_computed_tokens` catches up with `num_tokens` (prompt + output); prefill and decode are the
 same loop. A request whose prompt KV is computed elsewhere waits in WAITING_FOR_KV with its blocks
 reserved until the KV has arrived.
+
+Pure data: no tensors, no devices. A seeded request's random generator lives with the model runner,
+keyed by request id (see `ModelRunner`).
 """
 from __future__ import annotations
 
@@ -10,9 +13,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
-from pdmesh_engine.sampling import SamplingParams
+from pdmesh_engine.sampling import SamplingParams, check_prompt
 
 
 class RequestStatus(enum.Enum):
@@ -46,16 +47,11 @@ class Request:
     num_cached_tokens: int = 0        # prompt tokens served by the prefix cache (first admission)
     num_preemptions: int = 0
     stop_reason: int | str | None = None
-    generator: torch.Generator | None = None
     hold_blocks: bool = False         # keep the KV blocks after finishing until released (prefill push)
-    device: str = "cpu"               # where the seeded generator lives (the sampler draws there)
 
     def __post_init__(self) -> None:
-        if not self.prompt_token_ids:
-            raise ValueError("the prompt is empty")
+        check_prompt(self.prompt_token_ids)
         self.all_token_ids = list(self.prompt_token_ids)
-        if self.sampling_params.seed is not None:
-            self.generator = torch.Generator(device=self.device).manual_seed(self.sampling_params.seed)
 
     @property
     def num_tokens(self) -> int:

@@ -53,6 +53,13 @@ class Sampler:
             self._default_generators[device] = g
         return g
 
+    @staticmethod
+    def skip_draws(generator: torch.Generator, vocab_size: int, num_samples: int) -> None:
+        """Advance `generator` past `num_samples` samples of a non-greedy row: the contract of
+        `_exponential_noise` is exactly one [V] float32 Exp(1) draw per such sample."""
+        for _ in range(num_samples):
+            torch.empty(vocab_size, dtype=torch.float32, device=generator.device).exponential_(generator=generator)
+
     def __call__(
         self,
         logits: torch.Tensor,  # [B, V], any float dtype; not modified

@@ -1,8 +1,12 @@
-"""Per-request sampling parameters and the stop-string search.
+"""Per-request sampling parameters, the prompt admission checks and the stop-string search.
 
 `SamplingParams` is validated once, at construction (from Python or from a JSON/API dict via
 `from_dict`); the sampler and the engine trust it afterwards. Every rejection is a `ValueError`
 whose message names the field and the allowed range, so an API layer can return it as a 400.
+
+`check_prompt` is THE prompt admission rule (non-empty, ids in the vocabulary, room for one output
+token); the engine, the scheduler and every service that checks a prompt before a side effect call it,
+and convert its `PromptError` to their own error type.
 
 `find_stop_string` is the pure helper the detokenizer calls after each chunk of new text.
 """
@@ -10,7 +14,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -152,6 +156,34 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids must be in [0, {vocab_size}) for this model, got {bad}")
+
+
+class PromptError(ValueError):
+    """A prompt (or a token id) this engine cannot take; the message says why."""
+
+
+def check_token_ids(token_ids: Sequence[Any], vocab_size: int, what: str = "prompt token ids") -> None:
+    """Raise PromptError unless every entry is an int (not a bool) in [0, vocab_size); `what` names them."""
+    not_ints = [t for t in token_ids if not _is_int(t)]
+    if not_ints:
+        raise PromptError(f"{what} must be integers, got {not_ints[:5]!r}")
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise PromptError(f"{what} {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+
+
+def check_prompt(prompt_ids: Sequence[Any], *, vocab_size: int | None = None,
+                 max_model_len: int | None = None) -> None:
+    """The prompt admission checks, in this order: non-empty; with `vocab_size`, every id an int in
+    [0, vocab_size); with `max_model_len`, fewer tokens than the context (one output token must fit).
+    Raises PromptError (a ValueError)."""
+    if not prompt_ids:
+        raise PromptError("the prompt is empty")
+    if vocab_size is not None:
+        check_token_ids(prompt_ids, vocab_size)
+    if max_model_len is not None and len(prompt_ids) >= max_model_len:
+        raise PromptError(f"the prompt has {len(prompt_ids)} tokens; this engine's context is {max_model_len} "
+                          "tokens (prompt plus at least one output token)")
 
 
 def find_stop_string(text: str, stops: tuple[str, ...], new_text_len: int) -> tuple[int, str] | None:

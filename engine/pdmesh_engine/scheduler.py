@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from pdmesh_engine.kv_cache import KVCacheManager
 from pdmesh_engine.request import Request, RequestStatus
+from pdmesh_engine.sampling import check_prompt
 
 
 @dataclass(frozen=True)
@@ -116,9 +117,7 @@ class Scheduler:
     def _check_admissible(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if request.num_prompt_tokens >= self.config.max_model_len:
-            raise ValueError(f"the prompt has {request.num_prompt_tokens} tokens; this engine's context is "
-                             f"{self.config.max_model_len} tokens (prompt plus at least one output token)")
+        check_prompt(request.prompt_token_ids, max_model_len=self.config.max_model_len)
 
     # ----- the step -----
     def schedule(self) -> SchedulerOutput:

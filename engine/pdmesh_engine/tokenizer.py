@@ -19,7 +19,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
-from pdmesh_engine.config import CheckpointError
+from pdmesh_engine.config import CheckpointError, read_json
 
 # Used when the tokenizer ships no chat template.
 DEFAULT_CHAT_TEMPLATE = (
@@ -34,13 +34,6 @@ _REPLACEMENT_CHAR = "\ufffd"
 # Tokens of the prompt decoded together with the first new tokens (as vLLM does), so that
 # decoders that depend on the left context (leading spaces, byte fragments) diff correctly.
 _INITIAL_CONTEXT_TOKENS = 5
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
 
 
 def _token_str(value: Any) -> str | None:
@@ -124,11 +117,11 @@ class Tokenizer:
             tokenizer = _HFTokenizer.from_file(str(tok_path))
         except Exception as e:  # the Rust library raises plain Exception subclasses
             raise CheckpointError(f"{tok_path}: cannot load ({e})") from e
-        cfg = _read_json(path / "tokenizer_config.json") if (path / "tokenizer_config.json").is_file() else {}
+        cfg = read_json(path / "tokenizer_config.json") if (path / "tokenizer_config.json").is_file() else {}
         template = _pick_chat_template(cfg.get("chat_template"))
         if template is None and (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text(encoding="utf-8")
-        gen = _read_json(path / "generation_config.json") if (path / "generation_config.json").is_file() else {}
+        gen = read_json(path / "generation_config.json") if (path / "generation_config.json").is_file() else {}
         gen_eos = gen.get("eos_token_id")
         extra_eos = gen_eos if isinstance(gen_eos, list) else ([gen_eos] if isinstance(gen_eos, int) else [])
         return cls(tokenizer, bos_token=_token_str(cfg.get("bos_token")), eos_token=_token_str(cfg.get("eos_token")),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCHMARKS = ("engine", "forward", "serve", "kvxfer", "allreduce", "decode")
+BENCHMARKS = ("engine", "forward", "serve", "kvxfer", "allreduce", "decode", "eplb")
 
 
 def register(commands: argparse._SubParsersAction) -> None:

@@ -8,7 +8,8 @@ from pdmesh_engine.config import CheckpointError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pdmesh.cli import bench_cmd, client_cmd, generate_cmd, model_cmd, serve_cmd, up_cmd
+    from pdmesh.cli import (bench_cmd, client_cmd, eplb_cmd, generate_cmd, model_cmd, serve_cmd,
+                            up_cmd)
 
     parser = argparse.ArgumentParser(
         prog="pdmesh", description="Serve Mixture-of-Experts models with prefill/decode disaggregation.")
@@ -19,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     client_cmd.register(commands)
     up_cmd.register(commands)
     serve_cmd.register(commands)
+    eplb_cmd.register(commands)
     return parser
 
 

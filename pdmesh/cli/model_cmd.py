@@ -13,12 +13,16 @@ def register(commands: argparse._SubParsersAction) -> None:
     init.add_argument("--preset", default="tiny", choices=["tiny", "small"])
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    init.add_argument("--expert-skew", type=float, default=0.0, metavar="ZIPF_S",
+                      help="Zipf exponent of expert popularity per MoE layer, each layer ranking "
+                           "experts differently (default 0: near-uniform routing)")
     init.set_defaults(run=run_init)
 
 
 def run_init(args: argparse.Namespace) -> int:
     from pdmesh.tools.model_init import init_model
 
-    path = init_model(args.dir, preset=args.preset, seed=args.seed, dtype=args.dtype)
+    path = init_model(args.dir, preset=args.preset, seed=args.seed, dtype=args.dtype,
+                      expert_skew=args.expert_skew)
     print(path)
     return 0

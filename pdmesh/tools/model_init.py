@@ -8,6 +8,10 @@ trained on standard-library docstrings, so no download is needed), `tokenizer_co
 Weights use the DeepSeek-V3 / `save_pretrained` names with per-expert tensors, plus the
 multi-token-prediction layer at index `num_hidden_layers` as DeepSeek-V3 ships it (its
 `embed_tokens` and `shared_head.head` are copies of the main embedding and `lm_head`).
+
+`expert_skew` s > 0 refits every MoE router's `e_score_correction_bias` afterwards so expert
+popularity follows a Zipf law of exponent s with a seeded ranking per layer (see `expert_skew.py`);
+0, the default, leaves the checkpoint byte-identical to an unskewed one.
 """
 from __future__ import annotations
 
@@ -26,12 +30,12 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import save_file
 
+from pdmesh_engine.checkpoint import DTYPES
 from pdmesh_engine.config import ModelConfig
 from pdmesh.tools.tokenizer_train import BOS_ID, EOS_ID, tokenizer_config, train_tokenizer
 
 INIT_FORMAT_VERSION = 1
 DEFAULT_MAX_SHARD_BYTES = 500_000_000
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Initialisation (see weight_specs): linear layers N(0, 1/fan_in), embeddings N(0, 1); the scales below
 # keep logits and router scores well spread (no near-ties).
 LOGIT_STD = 2.0            # std of a logit for a unit-RMS final hidden state
@@ -230,7 +234,7 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 def _write_model(out: Path, preset: str, seed: int, dtype: str, max_shard_bytes: int,
-                 log: Callable[[str], None]) -> None:
+                 log: Callable[[str], None], expert_skew: float = 0.0) -> None:
     cfg_dict = preset_config(preset, dtype)
     config = ModelConfig.from_dict(cfg_dict)
     total, active = count_parameters(config)
@@ -247,8 +251,15 @@ def _write_model(out: Path, preset: str, seed: int, dtype: str, max_shard_bytes:
     nbytes = _write_weights(out, config, seed, dtype, max_shard_bytes, log)
     log(f"wrote {total / 1e6:.1f}M parameters ({active / 1e6:.1f}M active, "
         f"+{count_mtp_parameters(config) / 1e6:.1f}M MTP), {nbytes / 1e6:.0f} MB, in {time.perf_counter() - t0:.1f}s")
+    if expert_skew > 0:
+        from pdmesh.tools.expert_skew import apply_expert_skew
+
+        t0 = time.perf_counter()
+        apply_expert_skew(out, expert_skew, seed, log)
+        log(f"skewed expert popularity (Zipf {expert_skew}) in {time.perf_counter() - t0:.1f}s")
+    skew = {"expert_skew": expert_skew} if expert_skew else {}   # absent at 0: files as before
     _write_json(out / "pdmesh_init.json", {"version": INIT_FORMAT_VERSION, "preset": preset, "seed": seed,
-                                           "dtype": dtype, "config": cfg_dict})
+                                           "dtype": dtype, **skew, "config": cfg_dict})
 
 
 def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
@@ -271,9 +282,14 @@ def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
 
 def init_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0, dtype: str = "float32", *,
                overwrite: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-               verbose: bool = True) -> Path:
-    """Write a seeded random-weight checkpoint of `preset` to `out_dir` (atomically); returns its path."""
+               verbose: bool = True, expert_skew: float = 0.0) -> Path:
+    """Write a seeded random-weight checkpoint of `preset` to `out_dir` (atomically); returns its path.
+
+    expert_skew: Zipf exponent of expert popularity per MoE layer (module docstring); 0: none.
+    """
     preset_config(preset, dtype)  # validate before any work
+    if not (math.isfinite(expert_skew) and expert_skew >= 0):
+        raise ValueError(f"expert_skew must be a finite number >= 0, got {expert_skew}")
     out = Path(out_dir).expanduser().resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -283,7 +299,7 @@ def init_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0, dtype: 
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        _write_model(tmp, preset, seed, dtype, max_shard_bytes, log)
+        _write_model(tmp, preset, seed, dtype, max_shard_bytes, log, expert_skew)
         _publish(tmp, out, overwrite)
     finally:
         if tmp.exists():
@@ -330,10 +346,13 @@ def add_init_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing model directory")
+    parser.add_argument("--expert-skew", type=float, default=0.0, metavar="ZIPF_S",
+                        help="Zipf exponent of expert popularity per MoE layer (0: near-uniform)")
 
 
 def run_init(args: argparse.Namespace) -> int:
-    path = init_model(args.dir, args.preset, args.seed, args.dtype, overwrite=args.overwrite)
+    path = init_model(args.dir, args.preset, args.seed, args.dtype, overwrite=args.overwrite,
+                      expert_skew=args.expert_skew)
     print(path)
     return 0
 

@@ -1,16 +1,25 @@
-"""Typed results and errors of the pdmesh client, and their conversion from/to the wire messages."""
+"""Typed results and errors of the pdmesh client, and their conversion from/to the wire messages.
+
+`Completion` and `Chunk` are this SDK's public results (the gateway has different internal types).
+The finish-reason names and the sampling fields are read off the proto descriptors (the SDK depends
+on pdmesh-proto only): `FINISH_REASON_<X>` is "<x>"; a value this build does not know (a newer
+gateway's) reads as None, like FINISH_REASON_UNSPECIFIED.
+"""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
 from pdmesh_proto.common.v1 import common_pb2
 from pdmesh_proto.gateway.v1 import gateway_pb2
 
-_FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-           common_pb2.FINISH_REASON_ABORT: "abort"}
+_FINISH_PREFIX = "FINISH_REASON_"
+# Wire value → "stop" | "length" | "abort"; FINISH_REASON_UNSPECIFIED (0, not finished) is left out (None).
+FINISH_REASONS: Mapping[int, str] = {number: name[len(_FINISH_PREFIX):].lower()
+                                     for name, number in common_pb2.FinishReason.items() if number != 0}
 
 
 @dataclass(frozen=True)
@@ -35,8 +44,8 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class Completion:
-    """A whole completion. finish_reason: "stop" | "length" | "abort"; stop_reason: the stop string
-    or stop token (as text) that ended it, or None."""
+    """A whole completion (`Client.generate`). finish_reason: "stop" | "length" | "abort"; stop_reason:
+    the stop string or stop token (as text) that ended it, or None."""
 
     request_id: str
     text: str
@@ -49,7 +58,8 @@ class Completion:
 
 @dataclass(frozen=True)
 class Chunk:
-    """A piece of a streamed completion; finish_reason, stop_reason and usage are set on the last one."""
+    """A piece of a streamed completion (`Client.stream`); finish_reason, stop_reason and usage are set on
+    the last one."""
 
     request_id: str
     text: str
@@ -116,22 +126,33 @@ def build_request(prompt: str | Sequence[int], *, request_id: str = "", model: s
                   stop_token_ids: Sequence[int] | None = None, logprobs: int | None = None,
                   ignore_eos: bool | None = None, min_tokens: int | None = None) -> gateway_pb2.GenerateRequest:
     """The GenerateRequest for these settings (None: the server's default). Types are checked here."""
-    sampling = common_pb2.SamplingParams(max_tokens=max_tokens)
-    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("min_p", min_p),
-                        ("seed", seed), ("logprobs", logprobs), ("ignore_eos", ignore_eos),
-                        ("min_tokens", min_tokens)):
-        if value is not None:
-            setattr(sampling, name, value)
-    if stop is not None:
-        sampling.stop.extend([stop] if isinstance(stop, str) else list(stop))
-    if stop_token_ids:
-        sampling.stop_token_ids.extend(stop_token_ids)
-    request = gateway_pb2.GenerateRequest(request_id=request_id, model=model, sampling=sampling)
+    settings = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                    seed=seed, stop=[stop] if isinstance(stop, str) else stop, stop_token_ids=stop_token_ids,
+                    logprobs=logprobs, ignore_eos=ignore_eos, min_tokens=min_tokens)
+    request = gateway_pb2.GenerateRequest(request_id=request_id, model=model, sampling=sampling_pb(settings))
     if isinstance(prompt, str):
         request.text = prompt
     else:
         request.token_ids.ids.extend(prompt)
     return request
+
+
+def sampling_pb(settings: Mapping[str, Any]) -> common_pb2.SamplingParams:
+    """The SamplingParams message of these settings, by proto field name; None (or absent) leaves a field
+    unset, so the server's default applies. Unknown names are a ValueError."""
+    fields = {f.name: f for f in common_pb2.SamplingParams.DESCRIPTOR.fields}
+    unknown = sorted(set(settings) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown sampling settings {unknown}")
+    pb = common_pb2.SamplingParams()
+    for name, value in settings.items():
+        if value is None:
+            continue
+        if fields[name].is_repeated:
+            getattr(pb, name).extend(value)
+        else:
+            setattr(pb, name, value)
+    return pb
 
 
 def _logprobs(items) -> tuple[TokenLogprob, ...]:
@@ -146,10 +167,10 @@ def _usage(msg) -> Usage | None:
 
 
 def completion_from_proto(msg: gateway_pb2.GenerateResponse) -> Completion:
-    return Completion(msg.request_id, msg.text, tuple(msg.token_ids), _FINISH.get(msg.finish_reason), _usage(msg),
-                      _logprobs(msg.logprobs), msg.stop_reason or None)
+    return Completion(msg.request_id, msg.text, tuple(msg.token_ids), FINISH_REASONS.get(msg.finish_reason),
+                      _usage(msg), _logprobs(msg.logprobs), msg.stop_reason or None)
 
 
 def chunk_from_proto(msg: gateway_pb2.GenerateChunk) -> Chunk:
     return Chunk(msg.request_id, msg.text, tuple(msg.token_ids), _logprobs(msg.logprobs),
-                 _FINISH.get(msg.finish_reason), msg.stop_reason or None, _usage(msg))
+                 FINISH_REASONS.get(msg.finish_reason), msg.stop_reason or None, _usage(msg))

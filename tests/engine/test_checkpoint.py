@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdmesh_engine.checkpoint import (expect_shape, find_safetensors, iter_tensors, load_generation_defaults,
-                                      load_model_config, tensor_names)
-from pdmesh_engine.config import CheckpointError, ModelConfig
+from pdmesh_engine.checkpoint import (DTYPES, expect_shape, find_safetensors, iter_tensors, load_generation_defaults,
+                                      tensor_names)
+from pdmesh_engine.config import DTYPE_NAMES, CheckpointError, EngineConfig, ModelConfig
 from pdmesh.tools.model_init import init_model, preset_model_config, weight_specs
 
 
@@ -62,8 +62,8 @@ def test_expect_shape() -> None:
         expect_shape("model.x.weight", t, [4, 3])
 
 
-def test_load_model_config(tiny_dir: Path) -> None:
-    cfg = load_model_config(tiny_dir)
+def test_model_config_from_dir(tiny_dir: Path) -> None:
+    cfg = ModelConfig.from_dir(tiny_dir)
     assert isinstance(cfg, ModelConfig) and cfg == preset_model_config("tiny")
 
 
@@ -81,14 +81,14 @@ def test_missing_config(tiny_dir: Path, tmp_path: Path) -> None:
     d = _copy(tiny_dir, tmp_path / "m")
     (d / "config.json").unlink()
     with pytest.raises(CheckpointError, match="no config.json"):
-        load_model_config(d)
+        ModelConfig.from_dir(d)
 
 
 def test_not_a_directory(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="not a directory"):
         find_safetensors(tmp_path / "nope")
     with pytest.raises(CheckpointError, match="not a directory"):
-        load_model_config(tmp_path / "nope")
+        ModelConfig.from_dir(tmp_path / "nope")
 
 
 def test_missing_safetensors(tiny_dir: Path, tmp_path: Path) -> None:
@@ -105,7 +105,7 @@ def test_wrong_architecture(tiny_dir: Path, tmp_path: Path) -> None:
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
     with pytest.raises(CheckpointError, match="unsupported architecture.*LlamaForCausalLM"):
-        load_model_config(d)
+        ModelConfig.from_dir(d)
 
 
 def test_bad_json(tiny_dir: Path, tmp_path: Path) -> None:
@@ -135,3 +135,11 @@ def test_corrupt_safetensors(tiny_dir: Path, tmp_path: Path) -> None:
     (d / "model.safetensors").write_bytes(b"\xff" * 64)
     with pytest.raises(CheckpointError, match="cannot read safetensors"):
         list(iter_tensors(d))
+
+
+def test_one_dtype_table_serves_the_engine_config_and_the_loader() -> None:
+    assert tuple(DTYPES) == DTYPE_NAMES and DTYPES["bfloat16"] is torch.bfloat16
+    for name in DTYPE_NAMES:
+        assert EngineConfig(dtype=name).dtype == name
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(dtype="int8")

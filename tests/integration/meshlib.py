@@ -18,14 +18,15 @@ def grpc_address(mesh: Mesh) -> str:
 
 def worker_status(mesh: Mesh, role: str) -> list:
     """Status of every rank of a role, with the KV pool's integrity check run."""
-    from pdmesh_proto.decode.v1 import decode_pb2, decode_pb2_grpc
+    from pdmesh_proto.common.v1 import common_pb2
+    from pdmesh_proto.decode.v1 import decode_pb2_grpc
     from pdmesh_proto.prefill.v1 import prefill_pb2_grpc
 
     stub_class = decode_pb2_grpc.DecodeStub if role == "decode" else prefill_pb2_grpc.PrefillStub
     statuses = []
     for address in (a for s in mesh.specs if s.role == role for a in s.addresses):    # every rank of DEP instances
         with grpc.insecure_channel(address) as channel:
-            statuses.append(stub_class(channel).Status(decode_pb2.StatusRequest(check_integrity=True), timeout=30))
+            statuses.append(stub_class(channel).Status(common_pb2.StatusRequest(check_integrity=True), timeout=30))
     return statuses
 
 

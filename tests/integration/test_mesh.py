@@ -207,8 +207,8 @@ def test_mesh_view_lists_every_instance(disagg_mesh):
     instances = httpx.get(f"{http_url(disagg_mesh)}/mesh", timeout=10).json()
     rows = instances["instances"] if isinstance(instances, dict) else instances
     roles = sorted(row["role"] for row in rows)
-    assert roles == ["decode", "gateway", "kvstore", "prefill"]
+    assert roles == ["decode", "eplb", "gateway", "kvstore", "prefill"]
     decode = next(row for row in rows if row["role"] == "decode")
-    assert decode["ready"] and "kv_blocks_free" in decode["stats"]
+    assert decode["ready"] and "num_kv_blocks_free" in decode["stats"]
     metrics = httpx.get(f"{http_url(disagg_mesh)}/metrics", timeout=10).text
     assert "pdmesh_time_to_first_token_seconds" in metrics

@@ -177,3 +177,21 @@ def test_async_client_has_the_same_api(gateway) -> None:
         assert chunks[-1].finish_reason == "stop" and "".join(c.text for c in chunks) == "".join(WORDS)
         assert models == ["tiny"] and received == ["Hello"]
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_finish_reasons_and_sampling_fields_come_from_the_proto() -> None:
+    from pdmesh_client.types import FINISH_REASONS, build_request, sampling_pb
+
+    numbers = {number for _, number in common_pb2.FinishReason.items()}
+    assert set(FINISH_REASONS) == numbers - {common_pb2.FINISH_REASON_UNSPECIFIED}
+    assert FINISH_REASONS[common_pb2.FINISH_REASON_ABORT] == "abort" and set(FINISH_REASONS.values()) == \
+        {"stop", "length", "abort"}
+    pb = sampling_pb({name: None for name in (f.name for f in common_pb2.SamplingParams.DESCRIPTOR.fields)})
+    assert pb == common_pb2.SamplingParams()                   # every field is known; None leaves it unset
+    with pytest.raises(ValueError, match="unknown sampling settings"):
+        sampling_pb({"temprature": 0.5})
+    request = build_request("Hi", max_tokens=3, stop="!", seed=5, stop_token_ids=[2])
+    sampling = request.sampling
+    assert (sampling.max_tokens, list(sampling.stop), sampling.seed) == (3, ["!"], 5)
+    assert list(sampling.stop_token_ids) == [2]
+    assert not sampling.HasField("temperature") and not sampling.HasField("logprobs")

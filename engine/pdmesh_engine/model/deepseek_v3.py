@@ -1,9 +1,9 @@
 """The DeepSeek-V3 causal LM (also DeepSeek-R1, Kimi-K2, Moonlight checkpoints).
 
-`forward(batch, kv_caches) -> hidden [T, D]`, `compute_logits(hidden[rows]) -> [S, vocab]`.
+`forward(batch, kv_caches, expert_load) -> hidden [T, D]`, `compute_logits(hidden[rows]) -> [S, vocab]`.
 Weights load from checkpoint names (`load_weights`); per-expert tensors go into the physical slots
-of the layer's placement. The multi-token-prediction layers are loaded as `mtp` for speculative
-decoding.
+of the layer's placement. The checkpoint's multi-token-prediction layers are loaded as `mtp` (their
+weights are held and placed like the decoder's) but never run: `forward` is the plain next-token model.
 
 Legend: T tokens, D hidden size, S sampled rows.
 """
@@ -18,28 +18,30 @@ from torch import nn
 from pdmesh_engine.config import CheckpointError, ModelConfig
 from pdmesh_engine.forward_batch import ForwardBatch
 from pdmesh_engine.model.layers import DenseMLP, MLAttention, RMSNorm, RotaryEmbedding
-from pdmesh_engine.model.moe import ExpertDispatcher, ExpertPlacement, LocalDispatcher, MoE
+from pdmesh_engine.model.moe import ExpertDispatcher, ExpertLoadRecorder, ExpertPlacement, LocalDispatcher, MoE
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, placement: ExpertPlacement | None,
-                 dispatcher: ExpertDispatcher, local_slots: range) -> None:
+                 dispatcher: ExpertDispatcher, local_slots: range, moe_index: int = 0) -> None:
+        """`moe_index`: the layer's index among the MoE layers (used only when this layer is MoE)."""
         super().__init__()
         self.self_attn = MLAttention(config)
-        self.mlp: nn.Module
+        self.mlp: MoE | DenseMLP
         if placement is not None and layer_id >= config.first_k_dense_replace:
-            self.mlp = MoE(config, placement, dispatcher, local_slots)
+            self.mlp = MoE(config, placement, dispatcher, local_slots, moe_index)
         else:
             self.mlp = DenseMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
-                rope: RotaryEmbedding) -> torch.Tensor:
+                rope: RotaryEmbedding, expert_load: ExpertLoadRecorder | None = None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), batch, kv_cache, rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, expert_load) if isinstance(self.mlp, MoE) else self.mlp(h))
 
 
 class MTPLayer(nn.Module):
@@ -51,7 +53,9 @@ class MTPLayer(nn.Module):
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
-        self.block = DecoderLayer(config, config.num_hidden_layers, placement, dispatcher, local_slots)
+        # its MoE follows the decoder's MoE layers (index len(moe_layer_ids)); MTP never runs, so records nothing
+        self.block = DecoderLayer(config, config.num_hidden_layers, placement, dispatcher, local_slots,
+                                  len(config.moe_layer_ids))
         self.shared_head_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.shared_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -89,23 +93,25 @@ class DeepseekV3ForCausalLM(nn.Module):
             placement, slots = by_layer[moe_ids[-1]]
             self.mtp = nn.ModuleList(MTPLayer(config, placement, dispatcher, slots)
                                      for _ in range(config.num_nextn_predict_layers))
-        for index, layer in enumerate(l for l in self.layers if isinstance(l.mlp, MoE)):
-            layer.mlp.layer_index = index
 
     @staticmethod
     def _make_layer(config: ModelConfig, i: int, by_layer: dict, dispatcher: ExpertDispatcher) -> DecoderLayer:
         placement, slots = by_layer.get(i, (None, range(0)))
-        return DecoderLayer(config, i, placement, dispatcher, slots)
+        moe_index = config.moe_layer_ids.index(i) if i in by_layer else 0
+        return DecoderLayer(config, i, placement, dispatcher, slots, moe_index)
 
     @property
     def moe_layers(self) -> list[MoE]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
 
-    def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor) -> torch.Tensor:
-        """kv_caches [num_layers, num_blocks, block_size, L + R] -> hidden states [T, D] (final norm applied)."""
+    def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor,
+                expert_load: ExpertLoadRecorder | None = None) -> torch.Tensor:
+        """kv_caches [num_layers, num_blocks, block_size, L + R] -> hidden states [T, D] (final norm applied).
+
+        `expert_load`: where each MoE layer records the tokens routed to its slots (None: not recorded)."""
         x = self.embed_tokens(batch.input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, batch, kv_cache, self.rope)
+            x = layer(x, batch, kv_cache, self.rope, expert_load)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -134,7 +140,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             param.data.copy_(tensor)
             loaded.add(target)
         if len(self.mtp) and not any(n.startswith("mtp.") for n in loaded):
-            self.mtp = nn.ModuleList()       # the checkpoint has no MTP weights: no speculative drafts from it
+            self.mtp = nn.ModuleList()       # the checkpoint has no MTP weights: hold none
             params = dict(self.named_parameters())
         missing = [n for n in params if n not in loaded and not self._is_expert_param(n)]
         num_experts = sum(1 for n in loaded if _EXPERT.search(n))

@@ -121,7 +121,13 @@ class LocalDispatcher(ExpertDispatcher):
 
 
 class ExpertLoadRecorder:
-    """Tokens routed to each physical slot, per MoE layer, for the last `window` steps (a ring)."""
+    """Tokens routed to each physical slot, per MoE layer, for the last `window` steps (a ring).
+
+    `restart()` (at a placement switch) empties the ring: counts recorded under one placement are never
+    summed with counts under another (slot ids mean different experts). `steps_since_restart` counts the
+    rows written since then; `step` keeps counting globally (DEP ranks restart at the same step, so their
+    rings stay aligned).
+    """
 
     def __init__(self, num_layers: int, num_physical: int, window: int = 1000,
                  device: torch.device | str = "cpu") -> None:
@@ -130,6 +136,7 @@ class ExpertLoadRecorder:
         # Kept on the model's device: recording is a scatter-add there, with no host sync in the step.
         self.counts = torch.zeros(window, num_layers, num_physical, dtype=torch.int64, device=device)
         self.step = 0              # steps recorded so far; the current row is step % window
+        self.steps_since_restart = 0
         self._current = torch.zeros(num_layers, num_physical, dtype=torch.int64, device=device)
 
     def record(self, layer: int, slot_ids: torch.Tensor) -> None:
@@ -140,17 +147,34 @@ class ExpertLoadRecorder:
         self.counts[self.step % self.counts.shape[0]] = self._current
         self._current.zero_()
         self.step += 1
+        self.steps_since_restart += 1
+
+    def restart(self) -> None:
+        """Forget every recorded step (a new placement starts its own window)."""
+        self.counts.zero_()
+        self._current.zero_()
+        self.steps_since_restart = 0
+
+    @property
+    def window(self) -> int:
+        return int(self.counts.shape[0])
 
     def window_totals(self) -> torch.Tensor:
         """[num_layers, P] tokens per slot over the recorded window."""
         return self.counts.sum(0)
 
 
+EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")   # one expert's checkpoint tensors
+
+
 class MoE(nn.Module):
-    """Routed experts (on this process's slots) plus always-on shared experts."""
+    """Routed experts (on this process's slots) plus always-on shared experts.
+
+    `moe_index`: this layer's index among the model's MoE layers (its row in an `ExpertLoadRecorder`).
+    """
 
     def __init__(self, config: ModelConfig, placement: ExpertPlacement, dispatcher: ExpertDispatcher,
-                 local_slots: range) -> None:
+                 local_slots: range, moe_index: int) -> None:
         super().__init__()
         width = config.moe_intermediate_size
         self.gate = Router(config)
@@ -158,17 +182,16 @@ class MoE(nn.Module):
             if config.n_shared_experts else None
         self.w13 = nn.Parameter(torch.zeros(len(local_slots), 2 * width, config.hidden_size))  # [P_local, 2I, D]
         self.w2 = nn.Parameter(torch.zeros(len(local_slots), config.hidden_size, width))       # [P_local, D, I]
-        self.dispatcher, self.local_slots = dispatcher, local_slots
+        self.dispatcher, self.local_slots, self.moe_index = dispatcher, local_slots, moe_index
         self.placement = placement
         self._slot_experts: list[int] = placement.physical_to_logical.tolist()
-        self.recorder: ExpertLoadRecorder | None = None
-        self.layer_index = 0     # index among MoE layers, for the recorder
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, expert_load: ExpertLoadRecorder | None = None) -> torch.Tensor:
+        """x [T, D] -> [T, D]; with `expert_load`, the tokens routed to each slot are recorded there."""
         weights, expert_ids = self.gate(x)
         slot_ids = self.placement.choose_slots(expert_ids)
-        if self.recorder is not None:
-            self.recorder.record(self.layer_index, slot_ids)
+        if expert_load is not None:
+            expert_load.record(self.moe_index, slot_ids)
         out = self.dispatcher(x, weights, slot_ids, self.w13, self.w2)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
@@ -181,14 +204,30 @@ class MoE(nn.Module):
 
     def load_expert(self, logical: int, part: str, tensor: torch.Tensor) -> None:
         """Copy one checkpoint tensor (gate_proj / up_proj / down_proj of `logical`) into its local slots."""
-        width = self.w2.shape[2]
         for slot in self.local_slots:
-            if self._slot_experts[slot] != logical:
-                continue
-            local = slot - self.local_slots.start
-            if part == "gate_proj":
-                self.w13.data[local, :width].copy_(tensor)
-            elif part == "up_proj":
-                self.w13.data[local, width:].copy_(tensor)
-            else:
-                self.w2.data[local].copy_(tensor)
+            if self._slot_experts[slot] == logical:
+                self.write_slot(slot - self.local_slots.start, part, tensor)
+
+    @property
+    def slot_experts(self) -> list[int]:
+        """The logical expert of every physical slot under the running placement (a host copy)."""
+        return list(self._slot_experts)
+
+    def write_slot(self, local: int, part: str, tensor: torch.Tensor) -> None:
+        """Copy one checkpoint tensor into local slot `local` (see `write_expert_part`)."""
+        write_expert_part(self.w13.data, self.w2.data, local, part, tensor)
+
+
+@torch.no_grad()
+def write_expert_part(w13: torch.Tensor, w2: torch.Tensor, index: int, part: str, tensor: torch.Tensor) -> None:
+    """The one place that knows the slot layout: w13[index] = [gate_proj; up_proj] ([2I, D]),
+    w2[index] = down_proj ([D, I]). `w13`/`w2` are a layer's weights or staging buffers of the same layout."""
+    width = w2.shape[2]
+    if part == "gate_proj":
+        w13[index, :width].copy_(tensor)
+    elif part == "up_proj":
+        w13[index, width:].copy_(tensor)
+    elif part == "down_proj":
+        w2[index].copy_(tensor)
+    else:
+        raise ValueError(f"unknown expert tensor {part!r}; expected one of {EXPERT_PARTS}")

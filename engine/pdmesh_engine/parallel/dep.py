@@ -14,20 +14,19 @@ every MoE layer (the `AllToAllDispatcher`), so they must run the same number of 
 `stop` (after its forward, if any), so a serving instance's ranks leave the collective sequence at the
 same step.
 
-The rendezvous (a TCPStore on rank 0) listens on `master_addr` only, and on a loopback master gloo's
-own sockets bind loopback too (GLOO_SOCKET_IFNAME=lo, unless set).
+The rendezvous (a TCPStore on rank 0) listens on `master_addr` only. Gloo's pair sockets use the
+network interface `DEPConfig.gloo_interface` (by default: the loopback interface for a loopback master),
+given to gloo as a device of the process group's options (`gloo_backend`), not through the environment.
 
 Setup: `init_dep(DEPConfig(...))` -> `DEPContext`; `EngineCore(model_dir, config, dep=context)` builds the
 model with this rank's slots and the dispatcher, reserves the scratch block and drives `LockstepStepper`.
+The offline driver that steps such an engine to completion is `pdmesh_engine.llm.run_lockstep`.
 """
 from __future__ import annotations
 
 import ipaddress
-import os
 import socket
-import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -42,10 +41,11 @@ from pdmesh_engine.parallel.allreduce import DP_SYNC_IMPLS, DPSync, make_dp_sync
 from pdmesh_engine.parallel.dispatch import DISPATCHERS, DispatchStats, make_dispatcher
 
 if TYPE_CHECKING:
-    from pdmesh_engine.engine_core import EngineCore
     from pdmesh_engine.model_runner import ModelRunner
     from pdmesh_engine.request import Request
-    from pdmesh_engine.scheduler import SampledToken, SchedulerOutput, StepOutput
+    from pdmesh_engine.scheduler import SampledToken, SchedulerOutput
+
+AUTO_INTERFACE = "auto"     # gloo_interface: the loopback interface for a loopback master, else gloo's default
 
 
 @dataclass(frozen=True)
@@ -61,20 +61,36 @@ class DEPConfig:
     dispatcher: str = "all_to_all"           # see pdmesh_engine.parallel.dispatch.DISPATCHERS
     num_redundant_experts: int = 0           # extra physical slots per MoE layer (replicas)
     timeout_s: float = 600.0                 # a collective waiting longer raises instead of hanging
+    gloo_interface: str | None = AUTO_INTERFACE  # gloo's pair sockets (e.g. "lo", "eth0"); None: gloo's default
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"DEP needs 0 <= rank < size, got rank {self.rank}, size {self.size}")
         if not 0 < self.master_port < 65536:
             raise ValueError(f"master_port must be in 1..65535, got {self.master_port}")
-        if self.num_redundant_experts < 0:
-            raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
-        if self.dp_sync not in DP_SYNC_IMPLS:
-            raise ValueError(f"unknown dp_sync {self.dp_sync!r}; choose from {sorted(DP_SYNC_IMPLS)}")
+        check_dep_choices(self.dp_sync, self.num_redundant_experts)
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"unknown dispatcher {self.dispatcher!r}; choose from {sorted(DISPATCHERS)}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if self.gloo_interface is not None and not self.gloo_interface:
+            raise ValueError("gloo_interface must be an interface name, 'auto' or None, got ''")
+
+    def resolved_gloo_interface(self) -> str | None:
+        """The interface gloo binds: "auto" is the loopback interface when `master_addr` is loopback."""
+        if self.gloo_interface != AUTO_INTERFACE:
+            return self.gloo_interface
+        return loopback_interface() if _is_loopback(self.master_addr) else None
+
+
+def check_dep_choices(dp_sync: str, num_redundant_experts: int, dp_sync_name: str = "dp_sync",
+                      redundant_name: str = "num_redundant_experts") -> None:
+    """The DEP choices that `DEPConfig` and a service's --dep options share (ValueError naming the field
+    as the caller spells it)."""
+    if num_redundant_experts < 0:
+        raise ValueError(f"{redundant_name} must be >= 0, got {num_redundant_experts}")
+    if dp_sync not in DP_SYNC_IMPLS:
+        raise ValueError(f"{dp_sync_name} must be one of {sorted(DP_SYNC_IMPLS)}, got {dp_sync!r}")
 
 
 def slots_of_rank(num_experts: int, num_redundant: int, size: int, rank: int) -> range:
@@ -115,16 +131,47 @@ class DEPContext:
 
 def init_dep(config: DEPConfig) -> DEPContext:
     """Join the DEP process group (all ranks call it), create the dispatch group and the DP sync."""
+    interface = config.resolved_gloo_interface() if config.backend == "gloo" else None
+    backend = gloo_backend(interface) if interface else config.backend
     if not dist.is_initialized():
         timeout = timedelta(seconds=config.timeout_s)
-        _bind_gloo_to_loopback(config.master_addr)
-        dist.init_process_group(config.backend, store=_rendezvous(config, timeout), rank=config.rank,
+        dist.init_process_group(backend, store=_rendezvous(config, timeout), rank=config.rank,
                                 world_size=config.size, timeout=timeout)
     elif (dist.get_rank(), dist.get_world_size()) != (config.rank, config.size):
         raise ValueError(f"torch.distributed is already initialised as rank {dist.get_rank()} of "
                          f"{dist.get_world_size()}, not rank {config.rank} of {config.size}")
-    dispatch_group = dist.new_group(backend=config.backend)
+    dispatch_group = dist.new_group(backend=backend)
     return DEPContext(config, dispatch_group, make_dp_sync(config.dp_sync))
+
+
+def gloo_backend(interface: str) -> str:
+    """The name of a torch.distributed backend that is gloo with its pair sockets on `interface`.
+
+    Torch's built-in "gloo" picks its device from the environment (GLOO_SOCKET_IFNAME) or the hostname;
+    this registers (once per interface, through torch's public `Backend.register_backend`) a backend
+    that builds the same `ProcessGroupGloo` with an explicit device in its options."""
+    name = f"gloo_on_{interface}".lower()
+    if name not in dist.Backend.backend_list:
+        def create(opts: Any, _backend_options: Any) -> dist.ProcessGroupGloo:
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = opts.timeout
+            options._devices = [dist.ProcessGroupGloo.create_device(interface=interface)]
+            return dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, options)
+        dist.Backend.register_backend(name, create, extended_api=True, devices=["cpu"])
+    return name
+
+
+def loopback_interface() -> str | None:
+    """This host's loopback interface ("lo" on Linux, "lo0" on macOS), None if there is none."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in names if n == "lo"), next((n for n in names if n.startswith("lo")), None))
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address == "localhost"
 
 
 def _rendezvous(config: DEPConfig, timeout: timedelta) -> dist.TCPStore:
@@ -147,16 +194,6 @@ def _rendezvous(config: DEPConfig, timeout: timedelta) -> dist.TCPStore:
     return store
 
 
-def _bind_gloo_to_loopback(master_addr: str) -> None:
-    """A loopback master means a one-host group: keep gloo's pair sockets on loopback (Linux's `lo`)."""
-    try:
-        loopback = ipaddress.ip_address(master_addr).is_loopback
-    except ValueError:
-        loopback = master_addr == "localhost"
-    if loopback and sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-
-
 def shutdown_dep() -> None:
     """Leave the process group (every rank calls it once its last step is done)."""
     if dist.is_initialized():
@@ -167,15 +204,7 @@ def shutdown_dep() -> None:
 def dummy_forward(runner: ModelRunner, scratch_block: int) -> None:
     """One token at position 0 into `scratch_block`: joins the MoE collectives, records no expert load."""
     batch = ForwardBatch.build([[0]], [0], [[scratch_block]], runner.config.block_size, [False], runner.device)
-    moe = runner.model.moe_layers
-    recorders = [layer.recorder for layer in moe]
-    for layer in moe:
-        layer.recorder = None          # the dummy token is not load: EPLB must not see it
-    try:
-        runner.model(batch, runner.kv_caches)
-    finally:
-        for layer, recorder in zip(moe, recorders):
-            layer.recorder = recorder
+    runner.model(batch, runner.kv_caches, expert_load=None)    # the dummy token is not load: EPLB must not see it
     if runner.expert_load is not None:
         runner.expert_load.end_step()  # an empty row keeps every rank's ring aligned by global step
 
@@ -230,10 +259,12 @@ class LockstepStepper:
         self.last = LockstepRecord(ranks_with_work, num_tokens, unfinished, output.num_tokens, ran, dummy, stops > 0)
         if not ran:
             counters.idle += 1
+            self.runner.end_requests(output.finished_ids)
             return {}
         counters.forwards += 1
         if dummy:
             counters.dummies += 1
+            self.runner.end_requests(output.finished_ids)
             dummy_forward(self.runner, self.scratch_block)
             return {}
         return self.runner.execute(output, requests)
@@ -243,25 +274,3 @@ class LockstepStepper:
         """The last step found no rank with work or requests: every rank agrees (same sums)."""
         return self.last is not None and self.last.ranks_with_work == 0 and self.last.num_unfinished == 0
 
-
-def run_lockstep(engine: EngineCore, before_step: Callable[[int], None] | None = None,
-                 after_step: Callable[[int, LockstepRecord], None] | None = None,
-                 max_steps: int = 1_000_000) -> list[StepOutput]:
-    """Offline driver: step until no rank has requests left. Every rank calls it (same `max_steps`).
-
-    `before_step(index)` runs at each step boundary (add requests, swap placements: the same on all ranks
-    where it matters), `after_step(index, record)` after each step. Returns this rank's step outputs.
-    """
-    if engine.lockstep is None:
-        raise ValueError("run_lockstep needs an EngineCore built with dep=DEPContext")
-    outputs: list[StepOutput] = []
-    for index in range(max_steps):
-        if before_step is not None:
-            before_step(index)
-        outputs.extend(engine.step())
-        record = engine.lockstep.last
-        if after_step is not None:
-            after_step(index, record)
-        if engine.lockstep.all_done:
-            return outputs
-    raise RuntimeError(f"DEP ranks still had work after {max_steps} steps")

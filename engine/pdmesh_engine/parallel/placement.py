@@ -14,15 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
-
 import torch
 from safetensors import SafetensorError, safe_open
 
 from pdmesh_engine.checkpoint import tensor_names
 from pdmesh_engine.config import CheckpointError
 from pdmesh_engine.model.deepseek_v3 import DeepseekV3ForCausalLM
-from pdmesh_engine.model.moe import ExpertPlacement, MoE
+from pdmesh_engine.model.moe import EXPERT_PARTS, ExpertPlacement, MoE
 
 TensorSource = Callable[[str], torch.Tensor]     # checkpoint tensor name -> tensor
 
@@ -56,14 +54,9 @@ class CheckpointTensors:
             raise CheckpointError(f"{file}: cannot read {name!r} ({e})") from e
 
 
-@torch.no_grad()
 def _write_slot(moe: MoE, local: int, checkpoint_layer: int, logical: int, load_tensor: TensorSource) -> None:
-    width = moe.w2.shape[2]
-    parts: dict[str, Any] = {p: load_tensor(expert_tensor_name(checkpoint_layer, logical, p))
-                             for p in ("gate_proj", "up_proj", "down_proj")}
-    moe.w13[local, :width].copy_(parts["gate_proj"])
-    moe.w13[local, width:].copy_(parts["up_proj"])
-    moe.w2[local].copy_(parts["down_proj"])
+    for part in EXPERT_PARTS:
+        moe.write_slot(local, part, load_tensor(expert_tensor_name(checkpoint_layer, logical, part)))
 
 
 def apply_placement(model: DeepseekV3ForCausalLM, new_placements: Sequence[ExpertPlacement],

@@ -76,25 +76,6 @@ class PoolLayout:
                 raise ValueError(f"{what} id {b} outside [0, {self.num_blocks})")
 
 
-def check_compatible(local: PoolLayout, remote: PoolLayout) -> None:
-    """`local.check_compatible(remote)`: ValueError unless both pools hold the same blocks."""
-    local.check_compatible(remote)
-
-
-def layout_to_pb(layout: PoolLayout) -> Any:
-    """`common_pb2.KVLayout` of a layout (protobuf imported on call, so this module stays import-pure)."""
-    from pdmesh_engine.transfer import pb
-
-    return pb.layout_to_pb(layout)
-
-
-def layout_from_pb(msg: Any) -> PoolLayout:
-    """The layout a `common_pb2.KVLayout` describes; ValueError if it is empty or inconsistent."""
-    from pdmesh_engine.transfer import pb
-
-    return pb.layout_from_pb(msg)
-
-
 def coalesce(local_ids: Sequence[int], remote_ids: Sequence[int]) -> list[Run]:
     """Maximal runs where both id lists go up by one together, in the given order.
 

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 
 class MeshError(Exception):
-    """Base of the errors that travel between services with a status code."""
+    """Base of the errors that travel between services with a status code.
+
+    `param` names the request field the error is about and `code` is a machine-readable reason
+    (OpenAI's error fields, e.g. param="model", code="model_not_found"); both None when not known.
+    Only the message crosses a gRPC hop: `param` and `code` are for the gateway's REST answer.
+    """
 
     grpc_code = "INTERNAL"
     http_status = 500
     error_type = "internal_error"
+
+    def __init__(self, message: str = "", *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 class InvalidArgument(MeshError, ValueError):

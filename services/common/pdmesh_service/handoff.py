@@ -14,11 +14,16 @@ id (a retry) replaces a terminal record.
 The graph has no cycle, so "the state is still S" proves no transition happened since S was read (the
 store's compare-and-set relies on it). A move to the state the record is already in is a no-op.
 `HandoffState` values are the `kvstore.v1.HandoffState` numbers.
+
+A caller's compare-and-set move (`kvstore_client.move_handoff`) ends in one `MoveOutcome`:
+`Moved` (from which state), `AlreadyFinal`, `Elsewhere` (live, in a state it did not expect),
+`Missing` or `Unknown`; `may_be_written` and `kv_may_still_arrive` turn the state found into
+decode's decisions on its blocks.
 """
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from pdmesh_service.errors import FailedPrecondition, InvalidArgument
@@ -106,3 +111,94 @@ class Handoff:
         return cls(request_id=msg.request_id, state=parse_state(msg.state), decode_instance=msg.decode_instance,
                    prefill_instance=msg.prefill_instance, num_blocks=msg.num_blocks, lease_ms=msg.lease_ms,
                    updated_ms=msg.updated_ms)
+
+
+
+# ----- outcomes of a compare-and-set move (`pdmesh_service.kvstore_client.move_handoff`) -----
+@dataclass(frozen=True)
+class Moved:
+    """This call moved the record from `from_state` to the state it asked for."""
+
+    from_state: HandoffState
+
+
+@dataclass(frozen=True)
+class AlreadyFinal:
+    """The record was already final in `state` (someone else ended it); nothing changed."""
+
+    state: HandoffState
+
+
+@dataclass(frozen=True)
+class Elsewhere:
+    """The record is live in `state`, which the caller did not expect; nothing changed."""
+
+    state: HandoffState
+
+
+@dataclass(frozen=True)
+class Missing:
+    """No record: never opened, or it lapsed (its TTL passed)."""
+
+
+@dataclass(frozen=True)
+class Unknown:
+    """No answer: the kvstore stayed unreachable past the retry budget, the record kept changing,
+    or a retried attempt may have made the move itself. Callers must assume the worst."""
+
+    reason: str
+
+
+MoveOutcome = Moved | AlreadyFinal | Elsewhere | Missing | Unknown
+
+
+def state_found(outcome: MoveOutcome) -> HandoffState | None:
+    """The state the record was in when the move was tried: where it moved from, or where it was
+    found; None when unknown (no answer, or no record)."""
+    if isinstance(outcome, Moved):
+        return outcome.from_state
+    if isinstance(outcome, (AlreadyFinal, Elsewhere)):
+        return outcome.state
+    return None
+
+
+def after_failed_move(found: Handoff, to: HandoffState, expected: tuple[HandoffState, ...],
+                      prefill_instance: str, maybe_applied: bool) -> MoveOutcome | None:
+    """What a compare-and-set that failed (FailedPrecondition) means, given the record read right
+    after it: None to try again from `found.state` (one of `expected`), else the outcome.
+
+    `maybe_applied`: an earlier attempt of this move failed in transit (timeout, connection lost)
+    and may have applied. Finding the record in `to` is then ambiguous, unless the move records our
+    prefill instance and only one state could have led there (a claim RESERVED → TRANSFERRING)."""
+    state = found.state
+    if maybe_applied and state == to:
+        if prefill_instance and len(expected) == 1 and found.prefill_instance == prefill_instance:
+            return Moved(expected[0])
+        return Unknown(f"the hand-off is {state.name}: a retried attempt may have moved it there")
+    if state.terminal:
+        return AlreadyFinal(state)
+    if state in expected:
+        return None
+    return Elsewhere(state)
+
+
+def may_be_written(ended_from: HandoffState | None) -> bool:
+    """Whether a KV WRITE may still land in the blocks of a reservation whose hand-off was ended
+    from `ended_from` (None: unknown, e.g. the kvstore was unreachable or the record is gone).
+
+    RESERVED: no prefill rank claimed it, and none can any more. TRANSFERRING: a WRITE may be in
+    flight. READY: the WRITE landed. Already final: the party that ended it guarantees no WRITE of
+    its is in flight (prefill only cancels a hand-off when it posted no WRITE or its WRITE
+    ended)."""
+    return ended_from is None or ended_from == HandoffState.TRANSFERRING
+
+
+def kv_may_still_arrive(found: HandoffState | None) -> bool:
+    """Whether the KV of a reservation whose lease ran out may still arrive, from the state its
+    hand-off was found in when decode tried RESERVED → EXPIRED (RESERVED: that move succeeded;
+    None: unknown).
+
+    TRANSFERRING or READY: a prefill rank claimed it, so its WRITE is in flight or landed. Unknown:
+    assume so (the blocks must stay out of the pool anyway). RESERVED or a final state: no WRITE can
+    land any more."""
+    return found is None or found in (HandoffState.TRANSFERRING, HandoffState.READY)

@@ -1,49 +1,24 @@
 """Service registry in Redis: one key per instance rank, refreshed by heartbeats, gone on silence.
 
-Key: `pdmesh:{deployment}:instance:{instance_id}` → JSON of `InstanceInfo`, with a TTL a few times
-the heartbeat interval, so an instance that stops heartbeating drops out of routing by itself.
+Key: `pdmesh:{deployment}:instance:{instance_id}` → JSON of `InstanceInfo` (`pdmesh_service.instance`,
+re-exported here with `Load` and `Role`), with a TTL a few times the heartbeat interval, so an instance
+that stops heartbeating drops out of routing by itself.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 
 import redis.asyncio as aioredis
 
+from pdmesh_service.instance import InstanceInfo, Load, Role
 from pdmesh_service.logging import get_logger
 
+__all__ = ["InstanceInfo", "Load", "Registry", "Role", "connect", "heartbeat_forever", "namespace", "stay_registered"]
 log = get_logger(__name__)
-ROLES = ("gateway", "prefill", "decode", "kvstore", "eplb")
-
-
-@dataclass(frozen=True)
-class InstanceInfo:
-    """What an instance rank reports about itself."""
-
-    instance_id: str
-    role: str
-    address: str                     # host:port of its gRPC server
-    rank: int = 0                    # DP rank inside its instance
-    dp_size: int = 1
-    model: str = ""
-    ready: bool = False
-    stats: dict[str, int] = field(default_factory=dict)   # running, waiting, kv_blocks_used, ...
-    updated_ms: int = 0
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, raw: str | bytes) -> "InstanceInfo":
-        return cls(**json.loads(raw))
 
 
 def namespace(deployment: str) -> str:
@@ -64,7 +39,7 @@ class Registry:
     async def remove(self, instance_id: str) -> None:
         await self.client.delete(self.key(instance_id))
 
-    async def instances(self, role: str | None = None) -> list[InstanceInfo]:
+    async def instances(self, role: Role | None = None) -> list[InstanceInfo]:
         """Live instances (optionally of one role), sorted by id."""
         keys = [k async for k in self.client.scan_iter(match=f"{self.prefix}:instance:*", count=200)]
         if not keys:
@@ -73,15 +48,17 @@ class Registry:
         return sorted((i for i in found if role is None or i.role == role), key=lambda i: i.instance_id)
 
 
+async def _reported(report: Callable[[], Awaitable[InstanceInfo] | InstanceInfo]) -> InstanceInfo:
+    info = report()
+    return info if isinstance(info, InstanceInfo) else await info
+
+
 async def heartbeat_forever(registry: Registry, report: Callable[[], Awaitable[InstanceInfo] | InstanceInfo],
                             interval_s: float = 1.0, ttl_s: float = 3.0) -> None:
     """Publish `report()` every interval until cancelled; Redis hiccups are logged, not fatal."""
     while True:
         try:
-            info = report()
-            if asyncio.iscoroutine(info):
-                info = await info
-            await registry.publish(info, ttl_s)
+            await registry.publish(await _reported(report), ttl_s)
         except (aioredis.RedisError, OSError) as e:
             log.warning("heartbeat failed", error=str(e))
         await asyncio.sleep(interval_s)
@@ -90,9 +67,7 @@ async def heartbeat_forever(registry: Registry, report: Callable[[], Awaitable[I
 async def stay_registered(stack: contextlib.AsyncExitStack, registry: Registry,
                           report: Callable[[], Awaitable[InstanceInfo] | InstanceInfo], heartbeat_s: float) -> None:
     """Heartbeat `report()` (TTL: three beats) until `stack` closes, which stops the beat and removes the entry."""
-    info = report()
-    if asyncio.iscoroutine(info):
-        info = await info
+    info = await _reported(report)
     stack.push_async_callback(registry.remove, info.instance_id)
     await registry.publish(info, 3 * heartbeat_s)
     task = asyncio.ensure_future(heartbeat_forever(registry, report, heartbeat_s, 3 * heartbeat_s))

@@ -3,19 +3,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdmesh_proto.decode.v1 import decode_pb2_grpc
-
-from pdmesh_service.worker.engine_options import add_engine_options, engine_config, resolve_model
-from pdmesh_engine.config import EngineConfig
-from pdmesh_service.options import CommonConfig, add_common_arguments, common_from_args
-from pdmesh_decode.receiver import DEFAULT_QUARANTINE_S, KVReceiver
+from pdmesh_decode.connector import DEFAULT_QUARANTINE_S, DecodeConnector
 from pdmesh_decode.servicer import DecodeServicer
-from pdmesh_service.worker.dep_instance import DEPOptions, add_dep_arguments, dep_from_args, rank_common, run_instance
-from pdmesh_service.worker.runtime import WorkerParts, WorkerSpec, run_worker
+from pdmesh_engine.config import EngineConfig
 from pdmesh_engine.transfer.pb import layout_to_pb
+from pdmesh_proto.common.v1 import common_pb2
+from pdmesh_proto.decode.v1 import decode_pb2_grpc
+from pdmesh_service.options import CommonConfig, add_common_arguments, common_from_args
+from pdmesh_service.worker.dep_instance import (
+    DEPOptions,
+    add_dep_arguments,
+    dep_from_args,
+    rank_common,
+    run_instance,
+)
+from pdmesh_service.worker.engine_options import add_engine_options, engine_config, resolve_model
+from pdmesh_service.worker.runtime import Worker, WorkerParts, WorkerSpec, run_worker
 
 ROLE = "decode"
 SERVICE_NAME = "pdmesh.decode.v1.Decode"
@@ -56,19 +63,20 @@ def config_from_args(args: argparse.Namespace) -> DecodeConfig:
                         args.kvstore, args.lease_ms, args.kv_quarantine_s, dep)
 
 
-def _servicer(config: DecodeConfig):
-    def make(parts: WorkerParts) -> DecodeServicer:
-        receiver = KVReceiver(parts.engine, quarantine_s=config.kv_quarantine_s)
-        servicer = DecodeServicer(parts.engine, receiver, parts.kvstore, parts.instance_id, parts.agent.name,
-                                  layout_to_pb(parts.agent.layout), config.lease_ms)
-        receiver.on_event = servicer.on_event
-        return servicer
-    return make
+def build_worker(config: DecodeConfig) -> Callable[[WorkerParts], Worker[DecodeServicer]]:
+    """The connector (the engine loop's role) and the servicer over it, from a rank's parts."""
+    def build(parts: WorkerParts) -> Worker[DecodeServicer]:
+        connector = DecodeConnector(parts.engine, parts.agent, parts.kvstore, parts.instance_id,
+                                    config.kv_quarantine_s)
+        target = common_pb2.KVTarget(agent_name=parts.agent.name, layout=layout_to_pb(parts.agent.layout),
+                                     instance_id=parts.instance_id)
+        return Worker(connector, DecodeServicer(parts.engine, connector, parts.instance_id, target, config.lease_ms))
+    return build
 
 
 async def serve(config: DecodeConfig, ready: asyncio.Event | None = None) -> None:
     """Serve until cancelled; `ready` is set once the rank takes requests."""
-    spec = WorkerSpec(ROLE, SERVICE_NAME, _servicer(config), decode_pb2_grpc.add_DecodeServicer_to_server)
+    spec = WorkerSpec(ROLE, SERVICE_NAME, build_worker(config), decode_pb2_grpc.add_DecodeServicer_to_server)
     await run_worker(spec, config.common, config.model_dir, config.engine, config.kvstore, ready, config.dep)
 
 

@@ -1,6 +1,8 @@
 """The gateway: OpenAI REST and gRPC front door of a pdmesh deployment.
 
-core (requests, validation, events, stop strings) and openai_api (the REST dialect) are pure;
-router picks worker ranks; orchestrator runs a request over the workers' gRPC APIs; rest and
-servicer are the two transports; server wires them into one process.
+Pure: core (requests, validation, events, stop strings), openai_api (the REST dialect), progress (one
+request's chunks → events), retry (what is tried again, how long to wait), router and admission
+(which rank). Adapters: upstream (the workers' gRPC calls), orchestrator (composes them for one
+request), metrics, rest and servicer (the two transports); server wires them into one process.
+Chain: request body / GenerateRequest → GenerationRequest → WorkerChunk → GenerationEvent → response.
 """

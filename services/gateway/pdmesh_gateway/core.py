@@ -2,6 +2,10 @@
 
 Both transports (OpenAI REST in `openai_api`/`rest`, gRPC in `servicer`) turn their input into a
 `GenerationRequest` with `build_request`, and read `GenerationEvent`s from the orchestrator.
+Chain: GenerateRequest(pb) / JSON body → GenerationRequest → (workers) TokenChunk(pb) → WorkerChunk →
+GenerationEvent → GenerationResult (folded, non-streaming) → GenerateResponse(pb) / JSON.
+These are the gateway's internal types; the SDK (`pdmesh_client`) has its own public `Chunk` and
+`Completion`, built from the gateway's pb answers.
 Every rejection is an `InvalidArgument` (400) whose `param` names the offending field, or a
 `NotFound` (404) for an unknown model. No grpc, redis or torch here.
 """
@@ -9,30 +13,25 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from pdmesh_engine.sampling import SamplingParams, find_stop_string
+from pdmesh_engine.sampling import PromptError, SamplingParams, check_prompt, find_stop_string
 from pdmesh_engine.tokenizer import IncrementalDetokenizer
 from pdmesh_service.errors import InvalidArgument, NotFound
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "stop_token_ids",
-                    "ignore_eos", "min_tokens", "logprobs", "include_stop_str_in_output", "skip_special_tokens")
+SAMPLING_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams))   # the engine's names
 
 
 def invalid(param: str | None, message: str) -> InvalidArgument:
     """An InvalidArgument that names the request field it is about (`param`, OpenAI's error field)."""
-    error = InvalidArgument(message)
-    error.param = param
-    return error
+    return InvalidArgument(message, param=param)
 
 
 def model_not_found(name: str) -> NotFound:
-    error = NotFound(f"The model `{name}` does not exist.")
-    error.param, error.code = "model", "model_not_found"
-    return error
+    return NotFound(f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
 
 def new_request_id(prefix: str = "req") -> str:
@@ -91,8 +90,22 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class WorkerChunk:
+    """What a worker sent for a request (a decode `TokenChunk`, or the prefill's first token), before the
+    gateway applies stop strings and detokenizes. finish_reason: "stop" | "length" | "abort" | None."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str | None = None
+    stop_token_id: int = 0               # the stop token that ended the request (finish "stop"), else 0
+    num_prompt_tokens: int = 0           # 0: not told (only the last chunk tells)
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
 class GenerationEvent:
-    """Tokens and text produced since the previous event; the last one has finish_reason and usage.
+    """What the client is shown next: tokens and text produced since the previous event (stop strings
+    applied); the last one has finish_reason and usage.
 
     finish_reason: "stop" | "length" | "abort"; stop_reason: the stop string or stop token id.
     """
@@ -106,7 +119,7 @@ class GenerationEvent:
 
 
 @dataclass
-class Completion:
+class GenerationResult:
     """All events of a request folded together (non-streaming responses)."""
 
     text: str = ""
@@ -124,8 +137,8 @@ class Completion:
             self.finish_reason, self.stop_reason, self.usage = event.finish_reason, event.stop_reason, event.usage
 
 
-def fold(events: Iterable[GenerationEvent]) -> Completion:
-    result = Completion()
+def fold(events: Iterable[GenerationEvent]) -> GenerationResult:
+    result = GenerationResult()
     for event in events:
         result.add(event)
     return result
@@ -134,16 +147,13 @@ def fold(events: Iterable[GenerationEvent]) -> Completion:
 # ----- validation ------------------------------------------------------------------------------
 
 def check_prompt_ids(ids: Any, model: ModelInfo, param: str = "prompt") -> tuple[int, ...]:
-    """Token ids as a tuple: a non-empty list of ints in [0, vocab_size)."""
+    """Token ids as a tuple: a non-empty list of ints in [0, vocab_size) (the engine's `check_prompt`)."""
     if not isinstance(ids, (list, tuple)):
         raise invalid(param, f"{param} token ids must be a list of integers, got {type(ids).__name__}")
-    if not ids:
-        raise invalid(param, f"{param} must not be empty")
-    for t in ids:
-        if isinstance(t, bool) or not isinstance(t, int):
-            raise invalid(param, f"{param} token ids must be integers, got {t!r}")
-        if not 0 <= t < model.vocab_size:
-            raise invalid(param, f"{param} token id {t} is outside the vocabulary [0, {model.vocab_size})")
+    try:
+        check_prompt(ids, vocab_size=model.vocab_size)
+    except PromptError as e:
+        raise invalid(param, str(e)) from e
     return tuple(ids)
 
 
@@ -179,11 +189,11 @@ def sampling_params(values: Mapping[str, Any], names: Mapping[str, str] | None =
         return SamplingParams.from_dict({k: v for k, v in values.items() if v is not None})
     except ValueError as e:
         message = str(e)
-        field_name = max((f for f in _SAMPLING_FIELDS if message.startswith(f + " ")), key=len, default=None)
-        param = names.get(field_name, field_name) if field_name else None
-        if field_name and param != field_name:
-            message = param + message[len(field_name):]
-        raise invalid(param, message) from None
+        field_name = max((f for f in SAMPLING_FIELDS if message.startswith(f + " ")), key=len, default=None)
+        if field_name is None:
+            raise invalid(None, message) from None
+        param = names.get(field_name, field_name)          # the API's name for the field the message names
+        raise invalid(param, param + message[len(field_name):]) from None
 
 
 def build_request(request_id: str, prompt_ids: Sequence[int], values: Mapping[str, Any], model: ModelInfo,

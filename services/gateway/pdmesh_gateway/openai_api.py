@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdmesh_engine.tokenizer import Tokenizer
+from pdmesh_gateway.core import (SAMPLING_FIELDS, GenerationEvent, GenerationRequest, GenerationResult, ModelInfo,
+                                 TokenLogprob, Usage, build_request, invalid, new_request_id)
 from pdmesh_service.errors import MeshError
-from pdmesh_gateway.core import (Completion, GenerationEvent, GenerationRequest, ModelInfo, TokenLogprob,
-                                          Usage, build_request, invalid, new_request_id)
 
-_EXTRA_SAMPLING = ("top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
-                   "include_stop_str_in_output", "skip_special_tokens", "temperature", "top_p")
+# Body fields read as sampling settings under the engine's names; max_tokens and logprobs have their own
+# rules per endpoint (max_completion_tokens, chat's logprobs/top_logprobs).
+_BODY_SAMPLING = tuple(name for name in SAMPLING_FIELDS if name not in ("max_tokens", "logprobs"))
 # field -> the only values accepted (None always is): features we do not implement.
 _UNSUPPORTED = {"n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "frequency_penalty": (0, 0.0),
                 "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "logit_bias": ({},),
@@ -95,7 +96,7 @@ def parse_completion(body: Any, tokenizer: Tokenizer, model: ModelInfo) -> OpenA
     _check_unsupported(body)
     stream, include_usage = _stream_flags(body)
     ids = _completion_prompt(body.get("prompt"), tokenizer)
-    values = {k: body.get(k) for k in _EXTRA_SAMPLING}
+    values = {k: body.get(k) for k in _BODY_SAMPLING}
     values["max_tokens"], values["logprobs"] = body.get("max_tokens"), body.get("logprobs")
     request = build_request(new_request_id("cmpl"), ids, values, model, model_name, default_max_tokens=16)
     return OpenAIRequest("completion", request, stream, include_usage, request.params.logprobs is not None,
@@ -161,7 +162,7 @@ def parse_chat(body: Any, tokenizer: Tokenizer, model: ModelInfo) -> OpenAIReque
     except ValueError as e:
         raise invalid("messages", str(e)) from None
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    values = {k: body.get(k) for k in _EXTRA_SAMPLING}
+    values = {k: body.get(k) for k in _BODY_SAMPLING}
     values["max_tokens"], values["logprobs"] = body.get(max_name), _chat_logprobs(body)
     request = build_request(new_request_id("chatcmpl"), ids, values, model, model_name, default_max_tokens=None,
                             names={"max_tokens": max_name, "logprobs": "top_logprobs"}, prompt_param="messages")
@@ -179,8 +180,7 @@ def usage_dict(usage: Usage | None) -> dict[str, Any]:
 
 def error_body(error: MeshError) -> dict[str, Any]:
     """OpenAI's error shape {"error": {message, type, param, code}}."""
-    return {"error": {"message": str(error), "type": error.error_type, "param": getattr(error, "param", None),
-                      "code": getattr(error, "code", None)}}
+    return {"error": {"message": str(error), "type": error.error_type, "param": error.param, "code": error.code}}
 
 
 def models_response(model: ModelInfo) -> dict[str, Any]:
@@ -192,11 +192,11 @@ def models_response(model: ModelInfo) -> dict[str, Any]:
 class Shaper:
     """Shapes one request's events into OpenAI objects; keeps the stream state (text_offset, role sent)."""
 
-    def __init__(self, req: OpenAIRequest, tokenizer: Tokenizer) -> None:
-        self.req, self.tokenizer = req, tokenizer
+    def __init__(self, api_request: OpenAIRequest, tokenizer: Tokenizer) -> None:
+        self.api_request, self.tokenizer = api_request, tokenizer
         self._offset = 0
         self._role_sent = False
-        self._object = "text_completion" if req.kind == "completion" else "chat.completion.chunk"
+        self._object = "text_completion" if api_request.kind == "completion" else "chat.completion.chunk"
 
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -221,19 +221,19 @@ class Shaper:
         return {"content": content, "refusal": None}
 
     def _logprobs(self, lps: Any) -> dict[str, Any] | None:
-        if not self.req.logprobs:
+        if not self.api_request.logprobs:
             return None
-        return self._completion_logprobs(lps) if self.req.kind == "completion" else self._chat_logprobs(lps)
+        return self._completion_logprobs(lps) if self.api_request.kind == "completion" else self._chat_logprobs(lps)
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.req.request.request_id, "object": obj, "created": self.req.created,
-                "model": self.req.request.model, "choices": choices}
+        return {"id": self.api_request.request.request_id, "object": obj, "created": self.api_request.created,
+                "model": self.api_request.request.model, "choices": choices}
 
-    def response(self, result: Completion) -> dict[str, Any]:
+    def response(self, result: GenerationResult) -> dict[str, Any]:
         """The non-streaming response object."""
         choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(result.logprobs),
                                   "finish_reason": result.finish_reason, "stop_reason": result.stop_reason}
-        if self.req.kind == "completion":
+        if self.api_request.kind == "completion":
             choice["text"] = result.text
             obj = "text_completion"
         else:
@@ -244,12 +244,12 @@ class Shaper:
     def chunks(self, event: GenerationEvent) -> list[dict[str, Any]]:
         """Stream chunks for one event (possibly none: no text, no logprobs, not the end)."""
         out = []
-        if self.req.kind == "chat" and not self._role_sent:
+        if self.api_request.kind == "chat" and not self._role_sent:
             self._role_sent = True
             out.append(self._chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None}))
-        has_logprobs = self.req.logprobs and event.logprobs
+        has_logprobs = self.api_request.logprobs and event.logprobs
         if event.text or has_logprobs or event.finish_reason is not None:
-            if self.req.kind == "completion":
+            if self.api_request.kind == "completion":
                 body = {"text": event.text}
             else:
                 body = {"delta": {"content": event.text} if event.text or not event.finish_reason else {}}
@@ -261,7 +261,7 @@ class Shaper:
     def _chunk(self, body: dict[str, Any]) -> dict[str, Any]:
         choice = {"index": 0, "finish_reason": None, **body}
         chunk = self._envelope(self._object, [choice])
-        if self.req.include_usage:
+        if self.api_request.include_usage:
             chunk["usage"] = None
         return chunk
 

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import asdict
 from typing import Any, TypeVar
 
@@ -22,12 +22,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pdmesh_engine.tokenizer import Tokenizer
-from pdmesh_service.errors import InvalidArgument, MeshError
-from pdmesh_service.logging import get_logger
-from pdmesh_gateway.core import Completion, GenerationEvent, ModelInfo
-from pdmesh_gateway.openai_api import (OpenAIRequest, Shaper, error_body, models_response, parse_chat,
-                                                parse_completion)
+from pdmesh_gateway.core import GenerationEvent, GenerationResult, ModelInfo
+from pdmesh_gateway.openai_api import (OpenAIRequest, Shaper, error_body, models_response, parse_chat, parse_completion)
 from pdmesh_gateway.orchestrator import Orchestrator
+from pdmesh_service.errors import InvalidArgument, MeshError
+from pdmesh_service.instance import Role
+from pdmesh_service.logging import get_logger
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -50,9 +50,7 @@ async def _read_json(request: Request) -> Any:
     try:
         return json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        error = InvalidArgument(f"the request body is not valid JSON: {e}")
-        error.param = None
-        raise error from None
+        raise InvalidArgument(f"the request body is not valid JSON: {e}") from None
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -88,7 +86,7 @@ class _EventStream(StreamingResponse):
 
 
 async def _stream_body(shaper: Shaper, first: GenerationEvent,
-                       events: AsyncIterator[GenerationEvent]) -> AsyncIterator[str]:
+                       events: AsyncGenerator[GenerationEvent, None]) -> AsyncIterator[str]:
     try:
         event = first
         while True:
@@ -97,7 +95,7 @@ async def _stream_body(shaper: Shaper, first: GenerationEvent,
             if event.finish_reason is not None:
                 break
             event = await events.__anext__()
-        if shaper.req.include_usage:
+        if shaper.api_request.include_usage:
             yield _sse(shaper.usage_chunk(event.usage))
     except MeshError as e:
         yield _sse(error_body(e))
@@ -106,8 +104,8 @@ async def _stream_body(shaper: Shaper, first: GenerationEvent,
     yield "data: [DONE]\n\n"
 
 
-async def _collect(events: AsyncIterator[GenerationEvent]) -> Completion:
-    result = Completion()
+async def _collect(events: AsyncGenerator[GenerationEvent, None]) -> GenerationResult:
+    result = GenerationResult()
     async with contextlib.aclosing(events):
         async for event in events:
             result.add(event)
@@ -124,25 +122,26 @@ class _Handlers:
     async def _generate(self, request: Request,
                         parse: Callable[[Any, Tokenizer, ModelInfo], OpenAIRequest]) -> Response:
         try:
-            req = parse(await _read_json(request), self.tokenizer, self.model)
+            api_request = parse(await _read_json(request), self.tokenizer, self.model)
         except MeshError as e:
             self.orchestrator.metrics.rejected(e)
             raise
-        shaper = Shaper(req, self.tokenizer)
-        events = self.orchestrator.generate(req.request)
+        request_id = api_request.request.request_id
+        shaper = Shaper(api_request, self.tokenizer)
+        events = self.orchestrator.generate(api_request.request)
         try:
-            if not req.stream:
+            if not api_request.stream:
                 return JSONResponse(shaper.response(await _unless_disconnected(request, _collect(events))))
             first = await _unless_disconnected(request, events.__anext__())
         except ClientGone:
-            log.info("client disconnected", request_id=req.request.request_id)
+            log.info("client disconnected", request_id=request_id)
             await events.aclose()
             return Response(status_code=499)
         except BaseException:
             await events.aclose()
             raise
         return _EventStream(_stream_body(shaper, first, events), media_type="text/event-stream",
-                            headers={"Cache-Control": "no-cache", "X-Request-Id": req.request.request_id})
+                            headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, parse_completion)
@@ -156,8 +155,8 @@ class _Handlers:
     async def health(self, _: Request) -> Response:
         """200 when a request can be routed now (a ready decode rank), else 503."""
         router, ok = self.orchestrator.router, self.orchestrator.is_routable()
-        body = {"status": "ok" if ok else "unavailable", "mode": self.orchestrator.mode,
-                "decode": len(router.ready("decode")), "prefill": len(router.ready("prefill"))}
+        body = {"status": "ok" if ok else "unavailable", "mode": self.orchestrator.mode.value,
+                "decode": len(router.ready(Role.DECODE)), "prefill": len(router.ready(Role.PREFILL))}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics(self, _: Request) -> Response:

@@ -1,7 +1,7 @@
 """Which worker rank gets a request (pure policy), and the loop that keeps the view fresh.
 
 Policy: only `ready` instances are routable.
-- decode: fewest requests, counted as the rank's last heartbeat (`running` + `waiting`) plus the
+- decode: fewest requests, counted as the rank's last heartbeat (`Load.num_running + num_waiting`) plus the
   requests this gateway sent it since that heartbeat (heartbeats lag; without this, a burst would
   all go to the same idle rank).
 - prefill: fewest requests this gateway has in flight on it. (The orchestrator admits requests to
@@ -14,13 +14,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING, Any
 
 from pdmesh_service.errors import Unavailable
+from pdmesh_service.instance import InstanceInfo, Role
 from pdmesh_service.logging import get_logger
-
-if TYPE_CHECKING:   # the registry module imports redis; the policy must not
-    from pdmesh_service.registry import InstanceInfo
 
 log = get_logger(__name__)
 
@@ -38,7 +35,7 @@ class Router:
         self._instances: list[InstanceInfo] = []
         self._sent: dict[str, list[int]] = {}          # decode id -> send times (ms) since its heartbeat
         self._prefill_in_flight: dict[str, int] = {}
-        self._last: dict[str, str] = {}                 # role -> id picked last
+        self._last: dict[Role, str] = {}                # role -> id picked last
 
     def update(self, instances: Iterable[InstanceInfo]) -> None:
         """Replace the view with the registry's; forget sends that the new heartbeats include."""
@@ -49,26 +46,26 @@ class Router:
     def snapshot(self) -> list[InstanceInfo]:
         return list(self._instances)
 
-    def ready(self, role: str) -> list[InstanceInfo]:
+    def ready(self, role: Role) -> list[InstanceInfo]:
         return [i for i in self._instances if i.role == role and i.ready]
 
-    def has_ready(self, role: str) -> bool:
+    def has_ready(self, role: Role) -> bool:
         return any(i.role == role and i.ready for i in self._instances)
 
     def decode_load(self, info: InstanceInfo) -> int:
-        stats = info.stats or {}
-        return int(stats.get("running", 0)) + int(stats.get("waiting", 0)) + len(self._sent.get(info.instance_id, ()))
+        load = info.stats
+        return load.num_running + load.num_waiting + len(self._sent.get(info.instance_id, ()))
 
     def prefill_load(self, info: InstanceInfo) -> int:
         return self._prefill_in_flight.get(info.instance_id, 0)
 
     def pick_decode(self, exclude: Iterable[str] = ()) -> InstanceInfo:
-        return self._pick("decode", self.decode_load, exclude)
+        return self._pick(Role.DECODE, self.decode_load, exclude)
 
     def pick_prefill(self, exclude: Iterable[str] = ()) -> InstanceInfo:
-        return self._pick("prefill", self.prefill_load, exclude)
+        return self._pick(Role.PREFILL, self.prefill_load, exclude)
 
-    def _pick(self, role: str, load: Callable[[Any], int], exclude: Iterable[str]) -> InstanceInfo:
+    def _pick(self, role: Role, load: Callable[[InstanceInfo], int], exclude: Iterable[str]) -> InstanceInfo:
         excluded = set(exclude)
         candidates = [i for i in self.ready(role) if i.instance_id not in excluded]
         if not candidates:

@@ -13,21 +13,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
+from prometheus_client import REGISTRY
 
 from pdmesh_engine.config import ModelConfig
 from pdmesh_engine.tokenizer import Tokenizer
-from pdmesh_service.grpc_server import start_grpc_server
-from pdmesh_service.logging import get_logger
-from pdmesh_service.options import CommonConfig, add_common_arguments, common_from_args
-from pdmesh_service.registry import InstanceInfo, Registry, connect, heartbeat_forever
 from pdmesh_gateway.core import ModelInfo
-from pdmesh_gateway.orchestrator import DEFAULT_MAX_PREFILL_INFLIGHT, GatewayMetrics, Orchestrator
+from pdmesh_gateway.metrics import GatewayMetrics
+from pdmesh_gateway.orchestrator import DEFAULT_MAX_PREFILL_INFLIGHT, Mode, Orchestrator
 from pdmesh_gateway.rest import create_app
 from pdmesh_gateway.router import Router, refresh_forever
 from pdmesh_gateway.servicer import SERVICE_NAME, GenerateServicer, add_to_server
+from pdmesh_service.grpc_server import start_grpc_server
+from pdmesh_service.logging import get_logger
+from pdmesh_service.options import CommonConfig, add_common_arguments, common_from_args
+from pdmesh_service.registry import InstanceInfo, Load, Registry, Role, connect, heartbeat_forever
 
 log = get_logger(__name__)
-MODES = ("disagg", "agg")
 
 
 @dataclass(frozen=True)
@@ -36,15 +37,17 @@ class GatewayConfig:
     common: CommonConfig = field(default_factory=CommonConfig)
     served_model_name: str = ""           # default: the model directory's name
     http_port: int = 8000                 # 0 picks a free port
-    mode: str = "disagg"
+    mode: Mode = Mode.DISAGG
     request_timeout_s: float = 300.0
     max_model_len: int | None = None      # default: the model's max_position_embeddings
     refresh_s: float = 0.5                # how often the registry is read for routing
     max_prefill_inflight: int = DEFAULT_MAX_PREFILL_INFLIGHT   # per prefill rank, Reserve to end of Prefill
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"--mode must be one of {MODES}, got {self.mode!r}")
+        try:
+            object.__setattr__(self, "mode", Mode(self.mode))      # frozen: normalise a str once, here
+        except ValueError:
+            raise ValueError(f"--mode must be one of {[m.value for m in Mode]}, got {self.mode!r}") from None
         if not 0 <= self.http_port < 65536:
             raise ValueError(f"--http-port must be in [0, 65535], got {self.http_port}")
         if self.request_timeout_s <= 0:
@@ -65,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", type=Path, required=True, help="Hugging Face model directory (tokenizer, config)")
     g.add_argument("--served-model-name", default="", help="name clients use (default: the directory's name)")
     g.add_argument("--http-port", type=int, default=8000, help="OpenAI REST port (0: any free port)")
-    g.add_argument("--mode", choices=MODES, default="disagg",
+    g.add_argument("--mode", type=Mode, choices=list(Mode), default=Mode.DISAGG,
                    help="disagg: prefill ranks compute prompts (decode prefills itself when none is up); "
                         "agg: decode ranks do everything")
     g.add_argument("--request-timeout-s", type=float, default=300.0)
@@ -117,27 +120,27 @@ async def serve(config: GatewayConfig, ready: asyncio.Event | None = None) -> No
     redis = connect(common.redis_url)
     registry = Registry(redis, common.deployment)
     router = Router()
-    orchestrator = Orchestrator(router, tokenizer, mode=config.mode, request_timeout_s=config.request_timeout_s,
-                                metrics=GatewayMetrics.for_registry(),
+    metrics = GatewayMetrics(REGISTRY)          # the one set of this process (/metrics exposes REGISTRY)
+    orchestrator = Orchestrator(router, tokenizer, metrics=metrics, mode=config.mode,
+                                request_timeout_s=config.request_timeout_s,
                                 max_prefill_inflight=config.max_prefill_inflight)
     servicer = GenerateServicer(orchestrator, tokenizer, model)
     grpc_server = await start_grpc_server(common.host, common.port, [lambda s: add_to_server(servicer, s)],
                                           [SERVICE_NAME])
-    http, http_task, http_port = await _start_http(create_app(orchestrator, tokenizer, model), common.host,
-                                                   config.http_port)
-    instance_id = common.instance("gateway", grpc_server.port)
+    http, http_task, http_port = await _start_http(create_app(orchestrator, tokenizer, model, REGISTRY),
+                                                   common.host, config.http_port)
+    instance_id = common.instance(Role.GATEWAY, grpc_server.port)
 
     def report() -> InstanceInfo:
-        return InstanceInfo(instance_id=instance_id, role="gateway", address=common.address(grpc_server.port),
-                            model=model.name, ready=True,
-                            stats={"running": orchestrator.active, "waiting": orchestrator.waiting,
-                                   "http_port": http_port})
+        load = Load(num_running=orchestrator.active, num_waiting=orchestrator.waiting)
+        return InstanceInfo(instance_id=instance_id, role=Role.GATEWAY, address=common.address(grpc_server.port),
+                            model=model.name, ready=True, stats=load, http_port=http_port)
 
     tasks = [asyncio.ensure_future(refresh_forever(router, registry.instances, config.refresh_s)),
              asyncio.ensure_future(heartbeat_forever(registry, report, common.heartbeat_s, 3 * common.heartbeat_s))]
     try:
         await grpc_server.set_serving(True)
-        log.info("gateway ready", grpc_port=grpc_server.port, http_port=http_port, mode=config.mode,
+        log.info("gateway ready", grpc_port=grpc_server.port, http_port=http_port, mode=config.mode.value,
                  model=model.name, max_model_len=model.max_model_len)
         if ready is not None:
             ready.set()

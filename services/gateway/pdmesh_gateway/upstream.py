@@ -1,42 +1,38 @@
-"""The gateway's side of the workers' gRPC APIs: status codes → domain errors, TokenChunks → engine-neutral
-chunks, the decode stream of a request, and the gateway's Prometheus metrics.
+"""The gateway's client of the workers' gRPC APIs: one call per method, status codes → domain errors,
+TokenChunks → `WorkerChunk`s, and the decode stream of a request (`DecodeStream`).
 
-`HandoffLost`: a disaggregated request's KV hand-off ended before decode admitted the request (Prefill
-ABORTED: the reservation ended before the KV was ready; Decode NOT_FOUND / DEADLINE_EXCEEDED before
-admission). Nothing reached the client yet, so the orchestrator retries the whole request.
+It decides nothing: which rank to call, what to retry and what to release is the orchestrator's.
+Contracts: every method raises `MeshError`s only (`map_rpc_error`), never grpc errors; a method whose
+caller is cancelled cancels its call. `Prefill` ABORTED and a Decode ending NOT_FOUND /
+DEADLINE_EXCEEDED before admission are `HandoffLost` (the hand-off ended first; the rank is fine).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import grpc
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from pdmesh_service import errors
-from pdmesh_service.grpc_server import ADMITTED_METADATA
-from pdmesh_gateway.core import GenerationRequest, TokenLogprob
+from pdmesh_gateway.core import GenerationRequest, TokenLogprob, WorkerChunk
+from pdmesh_gateway.retry import HandoffLost
 from pdmesh_proto.common.v1 import common_pb2
-from pdmesh_proto.decode.v1 import decode_pb2
+from pdmesh_proto.decode.v1 import decode_pb2, decode_pb2_grpc
+from pdmesh_proto.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from pdmesh_service import errors
+from pdmesh_service.convert import finish_reason_from_pb, sampling_to_pb
+from pdmesh_service.grpc_server import ADMITTED_METADATA, channel, request_metadata
+from pdmesh_service.instance import InstanceInfo
+from pdmesh_service.logging import get_logger
 
-_FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-           common_pb2.FINISH_REASON_ABORT: "abort"}
-_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
-           grpc.StatusCode.OUT_OF_RANGE: errors.InvalidArgument,
-           grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
-           grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
-           grpc.StatusCode.UNAVAILABLE: errors.Unavailable, grpc.StatusCode.CANCELLED: errors.Unavailable,
-           grpc.StatusCode.NOT_FOUND: errors.Unavailable,      # a worker lost the request (e.g. lease expired)
-           grpc.StatusCode.ABORTED: errors.Unavailable,        # prefill lost the hand-off (lease ended first)
-           grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded}
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-
-
-class HandoffLost(errors.Unavailable):
-    """The request's KV hand-off ended before decode admitted it; retry the request from the start."""
-
-
-class Overloaded(errors.ResourceExhausted):
-    """The request waited at the gateway (prefill slot, decode blocks) until its timeout (not retried)."""
+log = get_logger(__name__)
+CANCEL_TIMEOUT_S = 5.0
+# Stop strings are applied at the gateway (`TextStream`); workers only see stop token ids.
+GATEWAY_ONLY_SAMPLING = frozenset({"stop", "include_stop_str_in_output"})
+_ERRORS: dict[grpc.StatusCode, type[errors.MeshError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument, grpc.StatusCode.OUT_OF_RANGE: errors.InvalidArgument,
+    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
+    grpc.StatusCode.UNAVAILABLE: errors.Unavailable, grpc.StatusCode.CANCELLED: errors.Unavailable,
+    grpc.StatusCode.NOT_FOUND: errors.Unavailable,      # a worker lost the request (e.g. lease expired)
+    grpc.StatusCode.ABORTED: errors.Unavailable,        # prefill lost the hand-off (lease ended first)
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded}
 
 
 def map_rpc_error(error: grpc.aio.AioRpcError, where: str) -> errors.MeshError:
@@ -45,47 +41,29 @@ def map_rpc_error(error: grpc.aio.AioRpcError, where: str) -> errors.MeshError:
     return cls(f"{where}: {error.details() or error.code().name}")
 
 
-@dataclass
-class Chunk:
-    """A worker's TokenChunk (or the prefill's first token), engine-neutral."""
-
-    token_ids: list[int]
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_token_id: int = 0
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
+def logprob_of(pb: common_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(pb.token_id, pb.logprob, tuple((t.token_id, t.logprob) for t in pb.top))
 
 
-def logprob_of(lp: common_pb2.TokenLogprob) -> TokenLogprob:
-    return TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
+def chunk_of(pb: decode_pb2.TokenChunk) -> WorkerChunk:
+    return WorkerChunk(tuple(pb.token_ids), tuple(logprob_of(lp) for lp in pb.logprobs),
+                       finish_reason_from_pb(pb.finish_reason), pb.stop_token_id, pb.num_prompt_tokens,
+                       pb.num_cached_tokens)
 
 
-def chunk_of(msg: decode_pb2.TokenChunk) -> Chunk:
-    return Chunk(list(msg.token_ids), [logprob_of(lp) for lp in msg.logprobs], _FINISH.get(msg.finish_reason),
-                 msg.stop_token_id, msg.num_prompt_tokens, msg.num_cached_tokens)
+def sampling_pb(request: GenerationRequest) -> common_pb2.SamplingParams:
+    """The worker-side settings of a request."""
+    return sampling_to_pb(request.params, exclude=GATEWAY_ONLY_SAMPLING)
 
 
-def sampling_proto(req: GenerationRequest) -> common_pb2.SamplingParams:
-    """The worker-side settings (stop strings stay at the gateway)."""
-    p = req.params
-    proto = common_pb2.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k,
-                                      top_p=p.top_p, min_p=p.min_p, stop_token_ids=list(p.stop_token_ids),
-                                      ignore_eos=p.ignore_eos, min_tokens=p.min_tokens)
-    if p.seed is not None:
-        proto.seed = p.seed - (1 << 64) if p.seed >= 1 << 63 else p.seed   # uint64 seeds wrap into int64
-    if p.logprobs is not None:
-        proto.logprobs = p.logprobs
-    return proto
-
-
-class Upstream:
+class DecodeStream:
     """The decode stream of one request, with the chunks already in hand (first token, first read)."""
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall, where: str, pending: list[Chunk]) -> None:
+    def __init__(self, call: grpc.aio.UnaryStreamCall, where: str, pending: list[WorkerChunk]) -> None:
         self.call, self.where, self.pending = call, where, pending
 
-    async def next(self) -> Chunk | None:
+    async def next(self) -> WorkerChunk | None:
+        """The next chunk; None once the stream ended."""
         if self.pending:
             return self.pending.pop(0)
         try:
@@ -99,50 +77,108 @@ class Upstream:
             self.call.cancel()
 
 
-async def wait_admitted(call: grpc.aio.UnaryStreamCall, where: str) -> list[Chunk]:
+def _where(instance: InstanceInfo) -> str:
+    return f"{instance.role} {instance.instance_id}"
+
+
+class WorkerClient:
+    """The decode and prefill RPCs the gateway makes; one channel per worker address."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = channel(address)
+        return self._channels[address]
+
+    def _decode(self, decode: InstanceInfo) -> decode_pb2_grpc.DecodeStub:
+        return decode_pb2_grpc.DecodeStub(self._channel(decode.address))
+
+    async def close(self) -> None:
+        for open_channel in self._channels.values():
+            await open_channel.close()
+        self._channels.clear()
+
+    async def generate(self, decode: InstanceInfo, request: GenerationRequest, timeout: float) -> DecodeStream:
+        """decode.Generate (the aggregated path), returned once its first message arrived."""
+        call = self._decode(decode).Generate(
+            decode_pb2.GenerateRequest(request_id=request.request_id, prompt_token_ids=request.prompt_ids,
+                                       sampling=sampling_pb(request)),
+            timeout=timeout, metadata=request_metadata(request.request_id))
+        try:
+            first = await call.read()
+        except grpc.aio.AioRpcError as e:
+            raise map_rpc_error(e, _where(decode)) from None
+        except BaseException:
+            call.cancel()
+            raise
+        return DecodeStream(call, _where(decode), [] if first is grpc.aio.EOF else [chunk_of(first)])
+
+    async def reserve(self, decode: InstanceInfo, request: GenerationRequest, timeout: float) -> common_pb2.KVTarget:
+        """decode.Reserve: blocks for the prompt (ResourceExhausted when the rank is short of them)."""
+        try:
+            reserved = await self._decode(decode).Reserve(decode_pb2.ReserveRequest(
+                request_id=request.request_id, prompt_token_ids=request.prompt_ids, sampling=sampling_pb(request)),
+                timeout=timeout, metadata=request_metadata(request.request_id))
+        except grpc.aio.AioRpcError as e:
+            raise map_rpc_error(e, _where(decode)) from None
+        return reserved.target
+
+    async def prefill(self, prefill: InstanceInfo, request: GenerationRequest, target: common_pb2.KVTarget,
+                      timeout: float) -> prefill_pb2.PrefillResponse:
+        """prefill.Prefill into reserved blocks; ABORTED (the reservation ended first) is `HandoffLost`."""
+        stub = prefill_pb2_grpc.PrefillStub(self._channel(prefill.address))
+        call = stub.Prefill(prefill_pb2.PrefillRequest(
+            request_id=request.request_id, prompt_token_ids=request.prompt_ids, sampling=sampling_pb(request),
+            target=target), timeout=timeout, metadata=request_metadata(request.request_id))
+        try:
+            return await call
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.ABORTED:
+                raise HandoffLost(f"{_where(prefill)}: {e.details()}") from None
+            raise map_rpc_error(e, _where(prefill)) from None
+        except BaseException:
+            call.cancel()
+            raise
+
+    async def decode(self, decode: InstanceInfo, request: GenerationRequest, first: prefill_pb2.PrefillResponse,
+                     timeout: float) -> DecodeStream:
+        """decode.Decode with the prefill's first token, returned once decode admitted the request; the
+        stream starts with that first token."""
+        call = self._decode(decode).Decode(
+            decode_pb2.DecodeRequest(request_id=request.request_id, first_token=first.first_token,
+                                     num_cached_tokens=first.num_cached_tokens),
+            timeout=timeout, metadata=request_metadata(request.request_id))
+        try:
+            read = await _wait_admitted(call, _where(decode))
+        except BaseException:
+            call.cancel()
+            raise
+        logprobs = (logprob_of(first.first_token),) if request.params.logprobs is not None else ()
+        head = WorkerChunk((first.first_token.token_id,), logprobs, num_cached_tokens=first.num_cached_tokens)
+        return DecodeStream(call, _where(decode), [head, *read])
+
+    async def cancel(self, decode: InstanceInfo, request_id: str) -> None:
+        """decode.Cancel, best effort (the reservation's lease frees the blocks anyway)."""
+        try:
+            await self._decode(decode).Cancel(decode_pb2.CancelRequest(request_id=request_id),
+                                              timeout=CANCEL_TIMEOUT_S, metadata=request_metadata(request_id))
+        except grpc.aio.AioRpcError as e:
+            log.warning("cancel of reservation failed", request_id=request_id, code=e.code().name)
+
+
+async def _wait_admitted(call: grpc.aio.UnaryStreamCall, where: str) -> list[WorkerChunk]:
     """Wait until decode admitted the request (`ADMITTED_METADATA`, or a first chunk from a decode rank that
     does not send it), returning the chunks read meanwhile. A call that ends first raises its error:
     NOT_FOUND / DEADLINE_EXCEEDED (the reservation ended before the KV came) as `HandoffLost`."""
-    metadata = await call.initial_metadata()
-    if metadata is not None and ADMITTED_METADATA in metadata:
-        return []
     try:
+        metadata = await call.initial_metadata()
+        if metadata is not None and ADMITTED_METADATA in metadata:
+            return []
         msg = await call.read()
     except grpc.aio.AioRpcError as e:
         if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED):
             raise HandoffLost(f"{where}: {e.details() or e.code().name}") from None
         raise map_rpc_error(e, where) from None
     return [] if msg is grpc.aio.EOF else [chunk_of(msg)]
-
-
-class GatewayMetrics:
-    """The gateway's Prometheus metrics; one set per registry (`for_registry`)."""
-
-    _by_registry: dict[int, GatewayMetrics] = {}
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.requests = Counter("pdmesh_requests", "Requests by final status", ["status"], registry=registry)
-        self.ttft = Histogram("pdmesh_time_to_first_token_seconds", "Time to first token", registry=registry,
-                              buckets=_LATENCY_BUCKETS)
-        self.tpot = Histogram("pdmesh_time_per_output_token_seconds", "Time per output token after the first",
-                              registry=registry, buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))
-        self.e2e = Histogram("pdmesh_e2e_request_latency_seconds", "Request latency", registry=registry,
-                             buckets=_LATENCY_BUCKETS)
-        self.in_flight = Gauge("pdmesh_requests_in_flight", "Requests being generated", registry=registry)
-        self.waiting = Gauge("pdmesh_gateway_requests_waiting", "Requests queued at the gateway (for a prefill "
-                             "slot or for decode KV blocks), part of the in-flight ones", registry=registry)
-        self.prompt_tokens = Counter("pdmesh_prompt_tokens", "Prompt tokens", registry=registry)
-        self.generation_tokens = Counter("pdmesh_generation_tokens", "Generated tokens", registry=registry)
-        self.cached_tokens = Counter("pdmesh_cached_prompt_tokens", "Prompt tokens served from a prefix cache",
-                                     registry=registry)
-
-    @classmethod
-    def for_registry(cls, registry: CollectorRegistry | None = None) -> GatewayMetrics:
-        registry = registry or REGISTRY
-        if id(registry) not in cls._by_registry:
-            cls._by_registry[id(registry)] = cls(registry)
-        return cls._by_registry[id(registry)]
-
-    def rejected(self, error: errors.MeshError) -> None:
-        """A request refused before generation (validation, unknown model)."""
-        self.requests.labels(status=error.error_type).inc()

@@ -6,15 +6,20 @@ import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdmesh_proto.prefill.v1 import prefill_pb2_grpc
-
-from pdmesh_service.worker.engine_options import add_engine_options, engine_config, resolve_model
 from pdmesh_engine.config import EngineConfig
-from pdmesh_service.options import CommonConfig, add_common_arguments, common_from_args
-from pdmesh_prefill.pusher import KVPusher
+from pdmesh_prefill.connector import KVPusher, PrefillConnector
 from pdmesh_prefill.servicer import PrefillServicer
-from pdmesh_service.worker.dep_instance import DEPOptions, add_dep_arguments, dep_from_args, rank_common, run_instance
-from pdmesh_service.worker.runtime import WorkerParts, WorkerSpec, run_worker
+from pdmesh_proto.prefill.v1 import prefill_pb2_grpc
+from pdmesh_service.options import CommonConfig, add_common_arguments, common_from_args
+from pdmesh_service.worker.dep_instance import (
+    DEPOptions,
+    add_dep_arguments,
+    dep_from_args,
+    rank_common,
+    run_instance,
+)
+from pdmesh_service.worker.engine_options import add_engine_options, engine_config, resolve_model
+from pdmesh_service.worker.runtime import Worker, WorkerParts, WorkerSpec, run_worker
 
 ROLE = "prefill"
 SERVICE_NAME = "pdmesh.prefill.v1.Prefill"
@@ -43,14 +48,16 @@ def config_from_args(args: argparse.Namespace) -> PrefillConfig:
                          engine_config(args), args.kvstore, dep)
 
 
-def _make_servicer(parts: WorkerParts) -> PrefillServicer:
-    return PrefillServicer(parts.engine, KVPusher(parts.engine), parts.kvstore, parts.instance_id,
-                           parts.agent.layout)
+def _make_worker(parts: WorkerParts) -> Worker[PrefillServicer]:
+    """The connector (the loop's role, with its pusher) and the servicer over it."""
+    connector = PrefillConnector(parts.engine, KVPusher(parts.engine, parts.agent), parts.kvstore,
+                                 parts.instance_id)
+    return Worker(connector, PrefillServicer(connector, parts.engine, parts.instance_id, parts.agent.layout))
 
 
 async def serve(config: PrefillConfig, ready: asyncio.Event | None = None) -> None:
     """Serve until cancelled; `ready` is set once the rank takes requests."""
-    spec = WorkerSpec(ROLE, SERVICE_NAME, _make_servicer, prefill_pb2_grpc.add_PrefillServicer_to_server)
+    spec = WorkerSpec(ROLE, SERVICE_NAME, _make_worker, prefill_pb2_grpc.add_PrefillServicer_to_server)
     await run_worker(spec, config.common, config.model_dir, config.engine, config.kvstore, ready, config.dep)
 
 

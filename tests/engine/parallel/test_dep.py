@@ -21,7 +21,8 @@ import torch.multiprocessing as mp
 from pdmesh_engine import LLM, EngineConfig, EngineCore, SamplingParams
 from pdmesh_engine.model.moe import ExpertPlacement
 from pdmesh.tools.model_init import init_model
-from pdmesh_engine.parallel.dep import DEPConfig, init_dep, run_lockstep, shutdown_dep, slots_of_rank
+from pdmesh_engine.llm import run_lockstep
+from pdmesh_engine.parallel.dep import DEPConfig, init_dep, shutdown_dep, slots_of_rank
 from pdmesh_engine.parallel.dispatch import AllToAllDispatcher
 from pdmesh_engine.parallel.placement import CheckpointTensors, apply_placement, expert_tensor_name
 from pdmesh_kernels.moe import fused_moe

@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from pdmesh_engine.transfer.layout import (PoolLayout, check_compatible, coalesce, layout_from_pb, layout_to_pb,
-                                    plan_write, regions)
+from pdmesh_engine.transfer.layout import PoolLayout, coalesce, plan_write, regions
+from pdmesh_engine.transfer.pb import layout_from_pb, layout_to_pb
 
 
 def _layout(base: int, num_layers: int = 3, num_blocks: int = 32, block_bytes: int = 256) -> PoolLayout:
@@ -91,8 +91,8 @@ def test_plan_write_rejects_bad_requests():
     with pytest.raises(ValueError, match="block_bytes 256 != 512"):
         plan_write(local, [1], _layout(1 << 20, block_bytes=512), [1])
     with pytest.raises(ValueError, match="num_layers"):
-        check_compatible(local, _layout(0, num_layers=4))
-    check_compatible(local, _layout(1 << 30, num_blocks=5))         # pool sizes may differ
+        local.check_compatible(_layout(0, num_layers=4))
+    local.check_compatible(_layout(1 << 30, num_blocks=5))         # pool sizes may differ
 
 
 def test_layout_validation_and_protobuf_round_trip():

@@ -6,7 +6,6 @@ import asyncio
 import socket
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -87,9 +86,10 @@ class _FakeEngine:
 
     def __init__(self) -> None:
         self.lockstep = _FakeLockstep()
-        self.runner = SimpleNamespace(expert_weight_bytes=lambda: 0)
-        self.scheduler = SimpleNamespace(requests={}, held={})
         self.steps = 0
+
+    def request_ids(self) -> list[str]:
+        return []
 
     def step(self) -> list:
         self.steps += 1

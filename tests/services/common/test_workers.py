@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import grpc
@@ -167,8 +167,8 @@ def md(request_id: str) -> tuple[tuple[str, str], ...]:
     return (("x-request-id", request_id),)
 
 
-def status(stub, check: bool = True) -> decode_pb2.WorkerStatus:
-    return stub.Status(decode_pb2.StatusRequest(check_integrity=check), timeout=RPC_TIMEOUT_S)
+def status(stub, check: bool = True) -> common_pb2.WorkerStatus:
+    return stub.Status(common_pb2.StatusRequest(check_integrity=check), timeout=RPC_TIMEOUT_S)
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float = 15.0, what: str = "condition") -> None:
@@ -461,8 +461,9 @@ def test_registry_lists_the_workers_with_stats(mesh: Mesh) -> None:
     assert infos[mesh.decode_id].role == "decode" and infos[mesh.prefill_id].role == "prefill"
     for info in infos.values():
         assert info.ready and info.model == mesh.model.name
-        assert {"running", "waiting", "kv_blocks_used", "kv_blocks_free", "kv_bytes_sent", "kv_bytes_received",
-                "transfer_failures", "lease_expiries"} <= set(info.stats)
+        assert info.stats.num_kv_blocks_used + info.stats.num_kv_blocks_free > 0
+        assert {"num_running", "num_waiting", "num_kv_blocks_used", "num_kv_blocks_free", "num_kv_bytes_sent",
+                "num_kv_bytes_received", "num_transfer_failures", "num_lease_expiries"} <= set(asdict(info.stats))
 
 
 def test_cores_are_pure() -> None:
@@ -475,26 +476,28 @@ def test_cores_are_pure() -> None:
 
 
 def test_lease_table_and_reservation_book() -> None:
+    from pdmesh_decode.core import LeaseAction, LeaseTable, Reservation, ReservationBook, ReservationEvent
     from pdmesh_service.errors import FailedPrecondition, NotFound
-    from pdmesh_decode.core import LeaseTable, Reservation, ReservationBook
 
+    E = ReservationEvent
     leases = LeaseTable()
     leases.add("a", 2.0)
     leases.add("b", 1.0)
     leases.add("a", 3.0)                     # renewed: the old deadline no longer counts
     assert leases.expired(2.5) == ["b"] and "a" in leases and leases.expired(3.0) == ["a"] and not leases
     book = ReservationBook()
-    book.add(Reservation("kv-first", 2, 10), deadline=5.0)
-    book.add(Reservation("call-first", 1, 3), deadline=5.0)
-    assert not book.kv_arrived("kv-first").admissible
-    assert book.decode_called("kv-first", 7).admissible
-    assert not book.decode_called("call-first", None).admissible and book.kv_arrived("call-first").admissible
+    for request_id, num_blocks, num_tokens in (("kv-first", 2, 10), ("call-first", 1, 3), ("lapses", 1, 3)):
+        book.add(Reservation(request_id, num_blocks, num_tokens, lease_s=5.0, cap_s=5.0))
+        book.apply(request_id, E.PUBLISHED, now=0.0)
+    assert book.apply("kv-first", E.KV_ARRIVED, 1.0).action is LeaseAction.KEEP
+    assert book.apply("kv-first", E.DECODE_CALLED, 1.0, first_token_id=7).action is LeaseAction.ADMIT
+    assert book.apply("call-first", E.DECODE_CALLED, 1.0).action is LeaseAction.KEEP
     with pytest.raises(FailedPrecondition):
-        book.decode_called("call-first", 1)
+        book.apply("call-first", E.DECODE_CALLED, 1.0, first_token_id=1)
+    assert book.apply("call-first", E.KV_ARRIVED, 1.0).action is LeaseAction.ADMIT
     with pytest.raises(NotFound):
-        book.decode_called("unknown", 1)
-    assert book.kv_arrived("unknown") is None
-    book.pop("kv-first")
-    assert [r.request_id for r in book.lapsed(5.0)] == ["call-first"] and len(book) == 1
-    book.pop("call-first")
+        book.apply("unknown", E.DECODE_CALLED, 1.0, first_token_id=1)
+    assert "kv-first" not in book and "call-first" not in book          # admitted: out of the book
+    assert book.due(5.0) == ["lapses"] and len(book) == 1
+    book.pop("lapses")
     assert not book

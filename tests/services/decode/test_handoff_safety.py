@@ -22,17 +22,32 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from test_workers import (
+    BLOCK_SIZE,
+    GREEDY,
+    NUM_BLOCKS,
+    PROMPTS,
+    RPC_TIMEOUT_S,
+    TOKEN_BUDGET,
+    Mesh,
+    ServiceHost,
+    assert_clean,
+    disagg,
+    expect_code,
+    md,
+    reserve,
+    status,
+    wait_for,
+)
+
+from pdmesh.tools.model_init import init_model
+from pdmesh_engine import LLM, EngineConfig, SamplingParams
 from pdmesh_proto.common.v1 import common_pb2
 from pdmesh_proto.decode.v1 import decode_pb2, decode_pb2_grpc
 from pdmesh_proto.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from pdmesh_proto.prefill.v1 import prefill_pb2, prefill_pb2_grpc
-from test_workers import (BLOCK_SIZE, GREEDY, NUM_BLOCKS, PROMPTS, RPC_TIMEOUT_S, TOKEN_BUDGET, Mesh, ServiceHost,
-                          assert_clean, disagg, expect_code, md, reserve, status, wait_for)
-
-from pdmesh_engine import LLM, EngineConfig, SamplingParams
-from pdmesh.tools.model_init import init_model
-from pdmesh_service.redis_server import EmbeddedRedis, free_port
 from pdmesh_service.handoff import HandoffState
+from pdmesh_service.redis_server import EmbeddedRedis, free_port
 
 pytest.importorskip("nixl")
 
@@ -42,16 +57,17 @@ LONG_PROMPT = [(i * 13) % 1000 + 2 for i in range(NUM_BLOCKS * BLOCK_SIZE - 8)] 
 
 
 def _capturing_decode(captured: dict[str, Any]) -> types.SimpleNamespace:
-    """The decode server module, but `serve` keeps the rank's parts (engine loop, agent) in `captured`."""
+    """The decode server module, but `serve` keeps the rank's parts (engine loop, agent) and its worker
+    (connector, servicer) in `captured`."""
     from pdmesh_decode import server
     from pdmesh_service.worker.runtime import WorkerSpec, run_worker
 
     async def serve(config, ready: asyncio.Event) -> None:
-        make = server._servicer(config)
+        build = server.build_worker(config)
 
         def keep(parts):
-            captured["parts"] = parts
-            return make(parts)
+            captured["parts"], captured["worker"] = parts, build(parts)
+            return captured["worker"]
 
         spec = WorkerSpec(server.ROLE, server.SERVICE_NAME, keep, decode_pb2_grpc.add_DecodeServicer_to_server)
         await run_worker(spec, config.common, config.model_dir, config.engine, config.kvstore, ready)
@@ -63,6 +79,7 @@ def _capturing_decode(captured: dict[str, Any]) -> types.SimpleNamespace:
 class SafetyMesh(Mesh):
     host: ServiceHost
     decode_parts: Any
+    connector: Any
 
     def on_engine(self, fn, *args) -> Any:
         """`fn(*args)` run in the decode rank's engine thread (the only thread that touches its pool)."""
@@ -71,7 +88,7 @@ class SafetyMesh(Mesh):
         return asyncio.run_coroutine_threadsafe(call(), self.host.loop).result(RPC_TIMEOUT_S)
 
     def pool_blocks(self, block_ids) -> torch.Tensor:
-        pool = self.decode_parts.engine.engine.runner.kv_caches          # [L, N, B, D]
+        pool = self.decode_parts.engine.engine.kv_caches                 # [L, N, B, D]
         return self.on_engine(lambda: pool[:, list(block_ids)].clone())
 
     def handoff(self, request_id: str) -> kvstore_pb2.Handoff:
@@ -99,7 +116,7 @@ def mesh(model_dir: Path) -> Iterator[SafetyMesh]:
         host.start(_capturing_decode(captured), [*mesh.worker_args(mesh.decode_id, ports[1]),
                                                  "--kv-quarantine-s", str(QUARANTINE_S)])
         host.start(prefill_server, mesh.worker_args(mesh.prefill_id, ports[2]))
-        mesh.decode_parts = captured["parts"]
+        mesh.decode_parts, mesh.connector = captured["parts"], captured["worker"].role
         channels = [grpc.insecure_channel(f"127.0.0.1:{p}") for p in ports]
         mesh.handoffs = kvstore_pb2_grpc.KVStoreStub(channels[0])
         mesh.decode, mesh.prefill = decode_pb2_grpc.DecodeStub(channels[1]), prefill_pb2_grpc.PrefillStub(channels[2])
@@ -116,7 +133,7 @@ def writer(mesh: SafetyMesh) -> Iterator[Any]:
     """A NIXL agent of the test's own, over a pool like decode's, connected to the decode rank."""
     from pdmesh_engine.transfer.agent import KVTransferAgent
 
-    decode_pool = mesh.decode_parts.engine.engine.runner.kv_caches
+    decode_pool = mesh.decode_parts.engine.engine.kv_caches
     pool = torch.randn(decode_pool.shape, dtype=decode_pool.dtype)
     agent = KVTransferAgent("test-writer", pool, progress_thread=False)
     try:
@@ -253,11 +270,16 @@ def held_writes(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, threading
 
 def run_lease_out(mesh: SafetyMesh, request_id: str) -> None:
     """End the reservation's lease now, as a prefill queue longer than the lease does."""
-    mesh.on_engine(lambda: mesh.decode_parts.engine.role.book.leases.add(request_id, 0.0))
+    mesh.on_engine(lambda: mesh.connector.book.leases.add(request_id, 0.0))
 
 
 def waits_past_its_lease(mesh: SafetyMesh, request_id: str) -> bool:
-    return mesh.on_engine(lambda: getattr(mesh.decode_parts.engine.role.book.get(request_id), "extended", False))
+    from pdmesh_decode.core import ReservationState
+
+    def extended() -> bool:
+        reservation = mesh.connector.book.get(request_id)
+        return reservation is not None and reservation.state is ReservationState.EXTENDED
+    return mesh.on_engine(extended)
 
 
 def decode_call(mesh: SafetyMesh, request_id: str, first_token: common_pb2.TokenLogprob):
@@ -346,8 +368,8 @@ def test_a_final_handoff_can_be_opened_again_and_a_live_one_cannot(mesh: SafetyM
 
 def test_a_write_computed_for_a_replaced_record_does_not_apply(mesh: SafetyMesh) -> None:
     """Compare-and-set is per incarnation: a retry's record in the same state is another record (no ABA)."""
-    from pdmesh_service.registry import connect
     from pdmesh_kvstore.store import KVStore
+    from pdmesh_service.registry import connect
 
     async def body() -> tuple[int, S]:
         client = connect(mesh.redis.url)
@@ -420,7 +442,8 @@ class FakeKVStore:
     def __init__(self, state: S | None, error: BaseException | None = None) -> None:
         self.state, self.error, self.calls = state, error, 0
 
-    async def update_handoff(self, request_id: str, state: S, expected: S | None = None) -> None:
+    async def update_handoff(self, request_id: str, state: S, prefill_instance: str = "",
+                             expected: S | None = None) -> None:
         from pdmesh_service.errors import FailedPrecondition, NotFound
 
         self.calls += 1
@@ -433,15 +456,19 @@ class FakeKVStore:
         self.state = state
 
     async def get_handoff(self, request_id: str) -> Any:
-        return argparse.Namespace(state=self.state)
+        from pdmesh_service.errors import NotFound
+
+        if self.state is None:
+            raise NotFound(request_id)
+        return argparse.Namespace(state=self.state, prefill_instance="")
 
 
 @pytest.mark.parametrize("state,ended_from,written", [
     (S.RESERVED, S.RESERVED, False), (S.TRANSFERRING, S.TRANSFERRING, True), (S.READY, S.READY, False),
     (S.CANCELLED, S.CANCELLED, False), (S.EXPIRED, S.EXPIRED, False), (None, None, True)])
 def test_end_handoff_reports_where_it_ended_from(state, ended_from, written) -> None:
-    from pdmesh_decode.core import may_be_written
-    from pdmesh_decode.handoff import end_handoff
+    from pdmesh_service.handoff import may_be_written
+    from pdmesh_service.kvstore_client import end_handoff
 
     store = FakeKVStore(state)
     assert asyncio.run(end_handoff(store, "r", S.EXPIRED)) == ended_from
@@ -452,23 +479,34 @@ def test_end_handoff_reports_where_it_ended_from(state, ended_from, written) -> 
 
 def test_unreachable_kvstore_means_quarantine() -> None:
     from pdmesh_service.errors import Unavailable
-    from pdmesh_decode.core import may_be_written
-    from pdmesh_decode.handoff import end_handoff
+    from pdmesh_service.handoff import may_be_written
+    from pdmesh_service.kvstore_client import RetryPolicy, end_handoff
 
-    assert may_be_written(asyncio.run(end_handoff(FakeKVStore(S.RESERVED, Unavailable("down")), "r", S.CANCELLED)))
-    assert may_be_written(asyncio.run(end_handoff(FakeKVStore(S.RESERVED, ConnectionError()), "r", S.CANCELLED)))
+    quick = RetryPolicy(budget_s=0.2)
+    assert may_be_written(asyncio.run(end_handoff(FakeKVStore(S.RESERVED, Unavailable("down")), "r", S.CANCELLED,
+                                                  quick)))
+    assert may_be_written(asyncio.run(end_handoff(FakeKVStore(S.RESERVED, ConnectionError()), "r", S.CANCELLED,
+                                                  quick)))
 
 
 def test_reservation_lease_runs_from_publish() -> None:
-    from pdmesh_decode.core import Reservation, ReservationBook
+    from pdmesh_decode.core import (
+        LeaseAction,
+        Reservation,
+        ReservationBook,
+        ReservationEvent,
+        ReservationState,
+    )
 
+    E = ReservationEvent
     book = ReservationBook()
-    book.add(Reservation("r", 1, 3))
-    assert book.lapsed(1e9) == [] and not book.kv_arrived("r").published
-    assert book.publish("r", deadline=5.0) and book.kv_arrived("r").published
-    assert [r.request_id for r in book.lapsed(5.0)] == ["r"] and "r" in book     # kept until decided
-    assert book.lapsed(1e9) == []                                              # no lease runs any more
-    assert book.extend("r", deadline=8.0).extended and book.lapsed(7.9) == []
-    assert [r.request_id for r in book.lapsed(8.0)] == ["r"]
-    book.pop("r")
-    assert not book.publish("r", deadline=9.0) and book.extend("r", 9.0) is None
+    book.add(Reservation("r", 1, 3, lease_s=5.0, cap_s=3.0))
+    assert book.due(1e9) == [] and book.get("r").state is ReservationState.HELD        # no lease yet
+    assert book.apply("r", E.PUBLISHED, now=0.0).until == 5.0
+    assert book.due(4.9) == [] and book.due(5.0) == ["r"] and "r" in book          # kept until decided
+    assert book.due(1e9) == []                                                     # no lease runs any more
+    assert book.apply("r", E.DEADLINE, now=5.0).action is LeaseAction.ASK_KVSTORE
+    assert book.apply("r", E.KV_MAY_ARRIVE, now=5.0).until == 8.0 and book.due(7.9) == []
+    assert book.get("r").state is ReservationState.EXTENDED and book.due(8.0) == ["r"]
+    assert book.apply("r", E.DEADLINE, now=8.0).action is LeaseAction.END_CLAIMED
+    assert book.apply("r", E.KV_WONT_ARRIVE, now=8.0).action is LeaseAction.DROP and "r" not in book

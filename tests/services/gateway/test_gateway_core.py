@@ -15,7 +15,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from pdmesh.tools.tokenizer_train import tokenizer_config, train_tokenizer
 from pdmesh_engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdmesh_service.errors import InvalidArgument, NotFound, Unavailable
-from pdmesh_service.registry import InstanceInfo
+from pdmesh_service.registry import InstanceInfo, Load
 from pdmesh_gateway.core import (GenerationEvent, ModelInfo, TextStream, TokenLogprob, Usage, build_request,
                                           fold)
 from pdmesh_gateway.openai_api import Shaper, error_body, models_response, parse_chat, parse_completion
@@ -206,7 +206,7 @@ def test_models_response_has_root_and_context(model) -> None:
 # ----- routing ---------------------------------------------------------------------------------
 
 def _inst(name: str, role: str = "decode", running: int = 0, ready: bool = True, updated_ms: int = 1000):
-    return InstanceInfo(name, role, f"127.0.0.1:{1000 + len(name)}", ready=ready, stats={"running": running},
+    return InstanceInfo(name, role, f"127.0.0.1:{1000 + len(name)}", ready=ready, stats=Load(num_running=running),
                         updated_ms=updated_ms)
 
 

@@ -105,3 +105,47 @@ class KVTarget(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     instance_id: str
     def __init__(self, agent_name: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ("check_integrity",)
+    CHECK_INTEGRITY_FIELD_NUMBER: _ClassVar[int]
+    check_integrity: bool
+    def __init__(self, check_integrity: _Optional[bool] = ...) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("instance_id", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_free", "kv_blocks_total", "kv_bytes_sent", "kv_bytes_received", "transfer_failures", "lease_expiries", "integrity_error", "integrity_checked", "kv_quarantines", "rank", "dp_size", "expert_weight_bytes", "requests_total")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRIES_FIELD_NUMBER: _ClassVar[int]
+    INTEGRITY_ERROR_FIELD_NUMBER: _ClassVar[int]
+    INTEGRITY_CHECKED_FIELD_NUMBER: _ClassVar[int]
+    KV_QUARANTINES_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    DP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+    kv_bytes_sent: int
+    kv_bytes_received: int
+    transfer_failures: int
+    lease_expiries: int
+    integrity_error: str
+    integrity_checked: bool
+    kv_quarantines: int
+    rank: int
+    dp_size: int
+    expert_weight_bytes: int
+    requests_total: int
+    def __init__(self, instance_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., integrity_error: _Optional[str] = ..., integrity_checked: _Optional[bool] = ..., kv_quarantines: _Optional[int] = ..., rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., expert_weight_bytes: _Optional[int] = ..., requests_total: _Optional[int] = ...) -> None: ...

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from pdmesh_proto.common.v1 import common_pb2 as pdmesh__proto_dot_common_dot_v1_dot_common__pb2
 from pdmesh_proto.decode.v1 import decode_pb2 as pdmesh__proto_dot_decode_dot_v1_dot_decode__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -57,8 +58,8 @@ class DecodeStub:
                 _registered_method=True)
         self.Status = channel.unary_unary(
                 '/pdmesh.decode.v1.Decode/Status',
-                request_serializer=pdmesh__proto_dot_decode_dot_v1_dot_decode__pb2.StatusRequest.SerializeToString,
-                response_deserializer=pdmesh__proto_dot_decode_dot_v1_dot_decode__pb2.WorkerStatus.FromString,
+                request_serializer=pdmesh__proto_dot_common_dot_v1_dot_common__pb2.StatusRequest.SerializeToString,
+                response_deserializer=pdmesh__proto_dot_common_dot_v1_dot_common__pb2.WorkerStatus.FromString,
                 _registered_method=True)
 
 
@@ -131,8 +132,8 @@ def add_DecodeServicer_to_server(servicer, server):
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=pdmesh__proto_dot_decode_dot_v1_dot_decode__pb2.StatusRequest.FromString,
-                    response_serializer=pdmesh__proto_dot_decode_dot_v1_dot_decode__pb2.WorkerStatus.SerializeToString,
+                    request_deserializer=pdmesh__proto_dot_common_dot_v1_dot_common__pb2.StatusRequest.FromString,
+                    response_serializer=pdmesh__proto_dot_common_dot_v1_dot_common__pb2.WorkerStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -269,8 +270,8 @@ class Decode:
             request,
             target,
             '/pdmesh.decode.v1.Decode/Status',
-            pdmesh__proto_dot_decode_dot_v1_dot_decode__pb2.StatusRequest.SerializeToString,
-            pdmesh__proto_dot_decode_dot_v1_dot_decode__pb2.WorkerStatus.FromString,
+            pdmesh__proto_dot_common_dot_v1_dot_common__pb2.StatusRequest.SerializeToString,
+            pdmesh__proto_dot_common_dot_v1_dot_common__pb2.WorkerStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,5 +1,4 @@
 from pdmesh_proto.common.v1 import common_pb2 as _common_pb2
-from pdmesh_proto.decode.v1 import decode_pb2 as _decode_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message

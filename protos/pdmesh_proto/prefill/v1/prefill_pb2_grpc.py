@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from pdmesh_proto.decode.v1 import decode_pb2 as pdmesh__proto_dot_decode_dot_v1_dot_decode__pb2
+from pdmesh_proto.common.v1 import common_pb2 as pdmesh__proto_dot_common_dot_v1_dot_common__pb2
 from pdmesh_proto.prefill.v1 import prefill_pb2 as pdmesh__proto_dot_prefill_dot_v1_dot_prefill__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -43,8 +43,8 @@ class PrefillStub:
                 _registered_method=True)
         self.Status = channel.unary_unary(
                 '/pdmesh.prefill.v1.Prefill/Status',
-                request_serializer=pdmesh__proto_dot_decode_dot_v1_dot_decode__pb2.StatusRequest.SerializeToString,
-                response_deserializer=pdmesh__proto_dot_decode_dot_v1_dot_decode__pb2.WorkerStatus.FromString,
+                request_serializer=pdmesh__proto_dot_common_dot_v1_dot_common__pb2.StatusRequest.SerializeToString,
+                response_deserializer=pdmesh__proto_dot_common_dot_v1_dot_common__pb2.WorkerStatus.FromString,
                 _registered_method=True)
 
 
@@ -78,8 +78,8 @@ def add_PrefillServicer_to_server(servicer, server):
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=pdmesh__proto_dot_decode_dot_v1_dot_decode__pb2.StatusRequest.FromString,
-                    response_serializer=pdmesh__proto_dot_decode_dot_v1_dot_decode__pb2.WorkerStatus.SerializeToString,
+                    request_deserializer=pdmesh__proto_dot_common_dot_v1_dot_common__pb2.StatusRequest.FromString,
+                    response_serializer=pdmesh__proto_dot_common_dot_v1_dot_common__pb2.WorkerStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,8 +135,8 @@ class Prefill:
             request,
             target,
             '/pdmesh.prefill.v1.Prefill/Status',
-            pdmesh__proto_dot_decode_dot_v1_dot_decode__pb2.StatusRequest.SerializeToString,
-            pdmesh__proto_dot_decode_dot_v1_dot_decode__pb2.WorkerStatus.FromString,
+            pdmesh__proto_dot_common_dot_v1_dot_common__pb2.StatusRequest.SerializeToString,
+            pdmesh__proto_dot_common_dot_v1_dot_common__pb2.WorkerStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,7 +16,6 @@ dies (PR_SET_PDEATHSIG), so no rank outlives it.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import signal
 import subprocess
 import sys
@@ -26,8 +25,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pdmesh_engine.parallel.allreduce import DP_SYNC_IMPLS
+from pdmesh_engine.parallel.dep import check_dep_choices
 from pdmesh_service.logging import configure_logging, get_logger
 from pdmesh_service.options import CommonConfig
+from pdmesh_service.process import die_with_parent
 from pdmesh_service.redis_server import free_port, free_port_block
 
 log = get_logger(__name__)
@@ -55,10 +56,7 @@ class DEPOptions:
             raise ValueError("--dep-rank needs --dist-port (the port every rank of the instance meets on)")
         if not 0 <= self.dist_port < 65536:
             raise ValueError(f"--dist-port must be in [0, 65535], got {self.dist_port}")
-        if self.dp_sync not in DP_SYNC_IMPLS:
-            raise ValueError(f"--dp-sync must be one of {sorted(DP_SYNC_IMPLS)}, got {self.dp_sync!r}")
-        if self.num_redundant_experts < 0:
-            raise ValueError(f"--num-redundant-experts must be >= 0, got {self.num_redundant_experts}")
+        check_dep_choices(self.dp_sync, self.num_redundant_experts, "--dp-sync", "--num-redundant-experts")
         if self.num_redundant_experts and self.size == 1:
             raise ValueError("--num-redundant-experts needs --dep > 1")
 
@@ -135,7 +133,8 @@ def run_instance(role: str, options: list[str], common: CommonConfig, model_dir:
     try:
         for rank in range(dep.size):
             ranks.append(subprocess.Popen(rank_argv(role, options, rank, base, dist_port),
-                                          stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
+                                          stdin=subprocess.DEVNULL,
+                                          preexec_fn=die_with_parent(signal.SIGKILL)))
         addresses = [common.address(base + rank) for rank in range(dep.size)]
         log.info("DEP instance started", ranks=addresses, dist_port=dist_port, pids=[p.pid for p in ranks])
         failed = _watch(ranks, stopping)
@@ -169,11 +168,3 @@ def _stop(ranks: list[subprocess.Popen], grace_s: float) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-
-
-def _die_with_parent() -> None:
-    """Runs in a rank before exec: SIGKILL it when the supervisor exits (Linux)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-    except OSError:
-        pass

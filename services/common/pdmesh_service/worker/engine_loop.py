@@ -1,8 +1,9 @@
 """`EngineLoop`: the one thread that owns an `EngineCore` (and the rank's NIXL agent), driven from asyncio.
 
 The engine is not thread-safe: only this thread touches it. asyncio code submits commands through
-a thread-safe queue and awaits their results (resolved with `loop.call_soon_threadsafe`); each
-request's outputs flow into its own `RequestStream` (an `asyncio.Queue` fed from the thread).
+a thread-safe queue and awaits their futures; the thread answers by one verb, `post(fn, *args)`, which
+runs `fn` on the event loop (`stream.settle` resolves a future, `stream.feed` appends outputs to their
+`RequestStream`s).
 
 Loop body: drain commands → role poll (NIXL notifications and transfers, lease expiry) → `step()`
 if the engine has work → deliver outputs. With no work it blocks on the command queue:
@@ -15,10 +16,11 @@ once this rank has work; commands run and the role is polled (every `BUSY_WAIT_S
 `stop()` asks every rank to stop after the next step; a step that fails (a rank died, a collective timed
 out) or another rank's stop ends the loop too, and `ended` tells why.
 
-The role (`EngineRole`) adds what differs between ranks and runs in this thread too: decode's
-`KVReceiver` (reservations, leases, admission on the KV notification), prefill's `KVPusher` (one
-NIXL WRITE per finished prompt). Blocks a WRITE reads are never released before it ends, and blocks a
-WRITE may still land in stay out of the pool (decode's quarantine) until it did or a cap passed.
+The role (`EngineRole`, given to `start`) adds what differs between ranks and runs in this thread too:
+decode's `DecodeConnector` (reservations, leases, admission on the KV notification), prefill's `KVPusher`
+(one NIXL WRITE per finished prompt). Blocks a WRITE reads are never released before it ends, and blocks
+a WRITE may still land in stay out of the pool (decode's quarantine) until it did or a cap passed.
+Counting goes through the rank's `WorkerMetrics` (constructor argument); `status()` returns its totals.
 """
 from __future__ import annotations
 
@@ -27,46 +29,24 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Any, Protocol
-
-from prometheus_client import Counter, Gauge, Histogram
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pdmesh_engine.engine_core import EngineCore
 from pdmesh_engine.sampling import SamplingParams
 from pdmesh_engine.scheduler import StepOutput
 from pdmesh_service.errors import Unavailable
 from pdmesh_service.logging import get_logger
-from pdmesh_service.worker.stream import RequestStream
+from pdmesh_service.worker.metrics import WorkerLoad, WorkerMetrics, WorkerStats
+from pdmesh_service.worker.stream import RequestStream, StreamItem, feed, settle
+
+if TYPE_CHECKING:
+    from pdmesh_engine.transfer.agent import KVTransferAgent
 
 log = get_logger(__name__)
 IDLE_WAIT_S = 0.1
 BUSY_WAIT_S = 0.001
 IDLE_SYNC_MIN_S, IDLE_SYNC_MAX_S = 0.001, 0.02     # DEP: pause before a sync that follows an idle one
-
-_L = ("instance",)
-KV_TRANSFER_BYTES = Counter("pdmesh_kv_transfer_bytes_total", "KV bytes written to other agents over NIXL", _L)
-KV_TRANSFER_SECONDS = Histogram("pdmesh_kv_transfer_seconds", "Duration of one NIXL KV WRITE", _L,
-                                buckets=(1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0))
-KV_TRANSFER_FAILURES = Counter("pdmesh_kv_transfer_failures_total", "NIXL KV transfers that failed", _L)
-KV_RECEIVED_BYTES = Counter("pdmesh_kv_received_bytes_total", "KV bytes other agents wrote into this pool", _L)
-LEASE_EXPIRIES = Counter("pdmesh_lease_expiries_total", "Reservations whose lease ran out before the KV", _L)
-KV_QUARANTINES = Counter("pdmesh_kv_quarantines_total",
-                         "Ended reservations whose blocks stayed out of the pool while a KV write could land", _L)
-KV_BLOCKS_USED = Gauge("pdmesh_kv_blocks_used", "KV blocks held by requests", _L)
-KV_BLOCKS_FREE = Gauge("pdmesh_kv_blocks_free", "KV blocks free or evictable", _L)
-REQUESTS_RUNNING = Gauge("pdmesh_requests_running", "Requests in the running batch", _L)
-REQUESTS_WAITING = Gauge("pdmesh_requests_waiting", "Requests waiting to run or for KV", _L)
-
-
-@dataclass
-class WorkerStats:
-    kv_bytes_sent: int = 0
-    kv_bytes_received: int = 0
-    transfer_failures: int = 0
-    lease_expiries: int = 0
-    kv_quarantines: int = 0
-    requests_total: int = 0         # requests this rank took (Generate, Reserve, Prefill)
 
 
 @dataclass(frozen=True)
@@ -83,17 +63,20 @@ class EngineStatus:
     dp_size: int = 1
     expert_weight_bytes: int = 0
 
+    @property
+    def load(self) -> WorkerLoad:
+        return WorkerLoad(self.num_running, self.num_waiting, self.kv_blocks_used, self.kv_blocks_free)
+
 
 @dataclass(slots=True)
 class _Command:
     fn: Callable[..., Any]
-    args: tuple
-    future: asyncio.Future | None
+    args: tuple[Any, ...]
+    future: asyncio.Future[Any] | None
     deferred: bool = False      # fn(future, *args) resolves the future itself, maybe later
 
 
 _STOP = object()
-StreamItem = tuple[RequestStream, StepOutput | BaseException]
 
 
 class EngineRole(Protocol):
@@ -121,13 +104,14 @@ class EngineRole(Protocol):
 
 
 class EngineLoop:
-    def __init__(self, engine: EngineCore, agent: Any = None, instance_id: str = "", rank: int = 0,
-                 dp_size: int = 1) -> None:
+    """The engine thread. Built by `run_worker` with the rank's metrics; its role comes with `start(role)`."""
+
+    def __init__(self, engine: EngineCore, agent: KVTransferAgent | None = None, instance_id: str = "",
+                 rank: int = 0, dp_size: int = 1, metrics: WorkerMetrics | None = None) -> None:
         self.engine, self.agent, self.instance_id = engine, agent, instance_id
         self.rank, self.dp_size = rank, dp_size
-        self.expert_weight_bytes = engine.runner.expert_weight_bytes()
-        self.role: EngineRole | None = None
-        self.stats = WorkerStats()
+        self.metrics = metrics if metrics is not None else WorkerMetrics(instance_id)
+        self.role: EngineRole | None = None     # given to `start`
         self.streams: dict[str, RequestStream] = {}          # engine thread only
         self._commands: queue.SimpleQueue[_Command | object] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -137,14 +121,18 @@ class EngineLoop:
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.model_config.vocab_size      # immutable: safe to read from any thread
+        vocab_size: int = self.engine.model_config.vocab_size      # immutable: safe to read from any thread
+        return vocab_size
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        max_model_len: int = self.engine.max_model_len
+        return max_model_len
 
     # ----- asyncio side -----
-    def start(self) -> None:
+    def start(self, role: EngineRole | None = None) -> None:
+        """Start the thread on the running event loop; `role` (if any) runs in it from the first iteration."""
+        self.role = role
         self._loop = asyncio.get_running_loop()
         self.ended = self._loop.create_future()
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.instance_id}", daemon=True)
@@ -157,10 +145,10 @@ class EngineLoop:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
 
-    def submit(self, fn: Callable[..., Any], *args: Any, deferred: bool = False) -> asyncio.Future:
+    def submit(self, fn: Callable[..., Any], *args: Any, deferred: bool = False) -> asyncio.Future[Any]:
         """Run `fn(*args)` in the engine thread; the future gets its result or error. A `deferred`
         command is called as `fn(future, *args)` and resolves the future itself (maybe later)."""
-        if self._thread is None or not self._thread.is_alive():     # a DEP rank's loop can end on its own
+        if self._loop is None or self._thread is None or not self._thread.is_alive():   # a DEP loop can end alone
             raise Unavailable("the engine loop is not running")
         future = self._loop.create_future()
         self._commands.put(_Command(fn, args, future, deferred))
@@ -173,10 +161,13 @@ class EngineLoop:
 
     async def connect(self, peer_name: str, metadata: bytes) -> None:
         """Load a peer agent's metadata (the agent, like the engine, is used from this thread only)."""
+        if self.agent is None:
+            raise Unavailable("this engine loop has no NIXL agent")
         await self.submit(self.agent.connect, peer_name, metadata)
 
     async def abort(self, request_id: str) -> bool:
-        return await self.submit(self._abort, request_id)
+        found: bool = await self.submit(self._abort, request_id)
+        return found
 
     def abort_soon(self, request_id: str) -> None:
         """Abort without waiting (from callbacks and `finally` blocks); a no-op if unknown or stopped."""
@@ -184,27 +175,23 @@ class EngineLoop:
             self._commands.put(_Command(self._abort, (request_id,), None))
 
     async def status(self, check_integrity: bool = False) -> EngineStatus:
-        return await self.submit(self._status, check_integrity)
+        status: EngineStatus = await self.submit(self._status, check_integrity)
+        return status
 
-    # ----- engine thread: what roles use -----
-    def resolve(self, future: asyncio.Future | None, value: Any = None, error: BaseException | None = None) -> None:
-        if future is not None:
-            self._call_soon(_settle, future, value, error)
-
-    def deliver(self, items: list[StreamItem]) -> None:
-        if items:
-            self._call_soon(_put_all, items)
-
-    def emit(self, callback: Callable[..., Any] | None, *args: Any) -> None:
-        """Run `callback(*args)` on the event loop."""
-        if callback is not None:
-            self._call_soon(callback, *args)
-
-    def _call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+    # ----- engine thread: the one way back to the event loop -----
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run `fn(*args)` on the event loop (e.g. `stream.settle(future, value)`, `stream.feed(items)`, or a
+        role's own coroutine starter); dropped once the event loop closed (nobody is waiting any more)."""
+        if self._loop is None:
+            return
         try:
             self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:      # the event loop is closed: nobody is waiting any more
+        except RuntimeError:      # the event loop is closed
             pass
+
+    def attach(self, stream: RequestStream) -> None:
+        """Engine thread: route the engine's next outputs of `stream.request_id` to `stream`."""
+        self.streams[stream.request_id] = stream
 
     # ----- engine thread: the loop -----
     def _run(self) -> None:
@@ -219,7 +206,8 @@ class EngineLoop:
         finally:
             self._fail_all(Unavailable("the worker is shutting down"))
             self._drain_after_stop()
-            self.resolve(self.ended, self._end_reason)
+            if self.ended is not None:
+                self.post(settle, self.ended, self._end_reason)
 
     def _run_single(self) -> None:
         while self._drain(self._wait_s()):
@@ -267,7 +255,7 @@ class EngineLoop:
             command = self._commands.get(timeout=timeout) if timeout > 0 else self._commands.get_nowait()
         except queue.Empty:
             return True
-        while command is not _STOP:
+        while isinstance(command, _Command):      # anything else is _STOP
             self._execute(command)
             try:
                 command = self._commands.get_nowait()
@@ -280,11 +268,14 @@ class EngineLoop:
             if command.deferred:
                 command.fn(command.future, *command.args)
             else:
-                self.resolve(command.future, command.fn(*command.args))
+                result = command.fn(*command.args)
+                if command.future is not None:
+                    self.post(settle, command.future, result)
         except Exception as e:  # noqa: BLE001 - the caller gets the error
             if command.future is None:
                 log.exception("engine command failed", command=command.fn.__name__)
-            self.resolve(command.future, error=e)
+            else:
+                self.post(settle, command.future, None, e)
 
     def _drain_after_stop(self) -> None:
         while True:
@@ -292,8 +283,8 @@ class EngineLoop:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(command, _Command):
-                self.resolve(command.future, error=Unavailable("the worker is shutting down"))
+            if isinstance(command, _Command) and command.future is not None:
+                self.post(settle, command.future, None, Unavailable("the worker is shutting down"))
 
     def _step(self) -> None:
         try:
@@ -314,14 +305,15 @@ class EngineLoop:
                 items.append((stream, output))
                 if output.finish_reason is not None:
                     del self.streams[output.request_id]
-        self.deliver(items)
+        if items:
+            self.post(feed, items)
 
     # ----- engine thread: commands -----
     def _generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
                   stream: RequestStream) -> None:
         self.engine.add_request(prompt_ids, params, request_id)
-        self.streams[request_id] = stream
-        self.stats.requests_total += 1
+        self.attach(stream)
+        self.metrics.request_taken()
 
     def _abort(self, request_id: str) -> bool:
         found, busy = self.role.abort(request_id) if self.role is not None else (False, False)
@@ -330,7 +322,7 @@ class EngineLoop:
         found = self.engine.abort(request_id) or found
         stream = self.streams.pop(request_id, None)
         if stream is not None:
-            self.deliver([(stream, stream.aborted_output())])
+            self.post(feed, [(stream, stream.aborted_output())])
         return found
 
     def _status(self, check_integrity: bool) -> EngineStatus:
@@ -340,37 +332,18 @@ class EngineLoop:
                 self.engine.check_integrity()
             except AssertionError as e:
                 error = str(e) or "the KV pool's integrity check failed"
-        kv, scheduler = self.engine.kv_stats(), self.engine.scheduler
-        status = EngineStatus(scheduler.num_running, scheduler.num_waiting, kv.num_used, kv.num_free + kv.num_cached,
-                              kv.num_blocks, replace(self.stats), check_integrity, error, self.rank, self.dp_size,
-                              self.expert_weight_bytes)
-        labels = {"instance": self.instance_id}
-        KV_BLOCKS_USED.labels(**labels).set(status.kv_blocks_used)
-        KV_BLOCKS_FREE.labels(**labels).set(status.kv_blocks_free)
-        REQUESTS_RUNNING.labels(**labels).set(status.num_running)
-        REQUESTS_WAITING.labels(**labels).set(status.num_waiting)
-        return status
+        core = self.engine.status()
+        kv = core.kv
+        return EngineStatus(core.num_running, core.num_waiting, kv.num_used, kv.num_free + kv.num_cached,
+                            kv.num_blocks, self.metrics.snapshot(), check_integrity, error, self.rank, self.dp_size,
+                            core.expert_weight_bytes)
 
     def _fail_all(self, error: BaseException) -> None:
-        """End every request with `error`; blocks NIXL still reads stay until their WRITE ends."""
-        self.deliver([(stream, error) for stream in self.streams.values()])
+        """End every request with `error`; blocks NIXL still reads or writes stay until the role frees them."""
+        if self.streams:
+            self.post(feed, [(stream, error) for stream in self.streams.values()])
         self.streams.clear()
         busy = self.role.fail_all(error) if self.role is not None else set()
-        scheduler = self.engine.scheduler
-        for request_id in [*scheduler.requests, *scheduler.held]:
+        for request_id in self.engine.request_ids():
             if request_id not in busy:
                 self.engine.abort(request_id)
-
-
-def _settle(future: asyncio.Future, value: Any, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(value)
-
-
-def _put_all(items: list[StreamItem]) -> None:
-    for stream, item in items:
-        stream.queue.put_nowait(item)

@@ -1,9 +1,11 @@
 """Wiring shared by the decode and prefill servers: engine, NIXL agent, kvstore, gRPC, heartbeat.
 
-`run_worker` builds the engine and a NIXL agent (named after the instance id) over its KV pool,
-publishes the agent's metadata in the kvstore, starts the engine thread and the gRPC server, then
-heartbeats `InstanceInfo(ready=True, stats=...)` until cancelled; on the way out it deregisters,
-stops serving, aborts everything in the engine and closes its clients (in that order).
+`run_worker` builds the engine, a NIXL agent (named after the instance id) over its KV pool and the rank's
+`WorkerMetrics`, publishes the agent's metadata in the kvstore, builds the role's `Worker` from those parts
+(`WorkerSpec.make_worker`: the role that runs in the engine thread and the servicer over it), starts the
+engine thread with that role and the gRPC server, then heartbeats `InstanceInfo(ready=True, stats=...)`
+(and sets the load gauges) until cancelled; on the way out it deregisters, stops serving, closes the
+role, aborts everything in the engine and closes its clients (in that order).
 
 A DEP rank (`DEPOptions.is_rank`; its `common` comes from `dep_instance.rank_common`) first joins its
 instance's group, builds the engine with its share of the experts, registers as `<id>-r<rank>` with rank
@@ -17,43 +19,61 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 
 from pdmesh_engine.config import EngineConfig
 from pdmesh_engine.engine_core import EngineCore
 from pdmesh_engine.parallel.dep import DEPConfig, DEPContext, init_dep, shutdown_dep
+from pdmesh_engine.transfer.agent import KVTransferAgent
 from pdmesh_service.grpc_server import start_grpc_server
+from pdmesh_service.instance import Role
+from pdmesh_service.kvstore_client import KVStoreClient
 from pdmesh_service.logging import get_logger
 from pdmesh_service.options import CommonConfig, ServiceStopped
 from pdmesh_service.redis_server import free_port
 from pdmesh_service.registry import InstanceInfo, Registry, connect, stay_registered
-from pdmesh_service.kvstore_client import KVStoreClient
 from pdmesh_service.worker.convert import heartbeat_stats
 from pdmesh_service.worker.dep_instance import DEPOptions, master_addr
-from pdmesh_service.worker.engine_loop import EngineLoop
-from pdmesh_engine.transfer.agent import KVTransferAgent
+from pdmesh_service.worker.engine_loop import EngineLoop, EngineRole
+from pdmesh_service.worker.metrics import WorkerMetrics
 
 log = get_logger(__name__)
 KVSTORE_DISCOVERY_S = 30.0
+ServicerT = TypeVar("ServicerT")
+
+
+class WorkerRole(EngineRole, Protocol):
+    """What `run_worker` needs from a rank's role: the engine-thread hooks, and `close()` for its event-loop
+    work (called after the gRPC server stopped, before the engine loop stops)."""
+
+    async def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
 class WorkerParts:
-    """What a servicer is built from."""
+    """What a role's `Worker` is built from."""
 
     instance_id: str
-    engine: EngineLoop
+    engine: EngineLoop               # not started yet: `run_worker` starts it with the role built from these
     agent: KVTransferAgent
     kvstore: KVStoreClient
+
+
+@dataclass(frozen=True)
+class Worker(Generic[ServicerT]):
+    """A rank's role (runs in the engine thread) and the gRPC servicer over it."""
+
+    role: WorkerRole
+    servicer: ServicerT
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
     role: str                                          # "decode" | "prefill"
     service_name: str                                  # full gRPC service name, for health
-    make_servicer: Callable[[WorkerParts], Any]
+    make_worker: Callable[[WorkerParts], Worker[Any]]
     add_servicer: Callable[[Any, grpc.aio.Server], None]
 
 
@@ -61,7 +81,7 @@ async def discover_kvstore(registry: Registry, timeout_s: float = KVSTORE_DISCOV
     """The address of a ready kvstore instance in the registry (waits for one to appear)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
-        found = [i for i in await registry.instances("kvstore") if i.ready]
+        found = [i for i in await registry.instances(Role.KVSTORE) if i.ready]
         if found:
             return found[0].address
         if asyncio.get_running_loop().time() > deadline:
@@ -82,9 +102,9 @@ async def run_worker(spec: WorkerSpec, common: CommonConfig, model_dir: Path, en
     engine = await asyncio.to_thread(EngineCore, model_dir, engine_config, context)
     # Decode needs NIXL's progress thread to receive writes promptly; prefill drives progress itself
     # (poll/wait on its own transfers), which measured faster than with the thread.
-    agent = KVTransferAgent(instance_id, engine.runner.kv_caches, progress_thread=spec.role == "decode")
-    rank, size = (dep.rank, dep.size) if dep is not None else (0, 1)
-    loop = EngineLoop(engine, agent, instance_id, rank, size)
+    agent = KVTransferAgent(instance_id, engine.kv_caches, progress_thread=spec.role == "decode")
+    rank, size = (dep.rank or 0, dep.size) if dep is not None else (0, 1)     # a DEP rank has its rank
+    loop = EngineLoop(engine, agent, instance_id, rank, size, WorkerMetrics(instance_id))
     redis = connect(common.redis_url)
     registry = Registry(redis, common.deployment)
     async with contextlib.AsyncExitStack() as stack:
@@ -95,20 +115,19 @@ async def run_worker(spec: WorkerSpec, common: CommonConfig, model_dir: Path, en
         kvstore = KVStoreClient(kvstore_address or await discover_kvstore(registry))
         stack.push_async_callback(kvstore.close)
         await kvstore.register_agent(instance_id, agent.metadata(), instance_id)
-        servicer = spec.make_servicer(WorkerParts(instance_id, loop, agent, kvstore))   # sets loop.role
-        loop.start()
+        worker = spec.make_worker(WorkerParts(instance_id, loop, agent, kvstore))
+        loop.start(worker.role)
         stack.push_async_callback(loop.stop)
-        if hasattr(servicer, "close"):
-            stack.push_async_callback(servicer.close)
-        server = await start_grpc_server(common.host, port, [lambda s: spec.add_servicer(servicer, s)],
+        stack.push_async_callback(worker.role.close)    # before the loop stops, after the server did
+        server = await start_grpc_server(common.host, port, [lambda s: spec.add_servicer(worker.servicer, s)],
                                          [spec.service_name])
         stack.push_async_callback(server.stop)
-        info = InstanceInfo(instance_id, spec.role, common.address(server.port), rank=rank, dp_size=size,
+        info = InstanceInfo(instance_id, Role(spec.role), common.address(server.port), rank=rank, dp_size=size,
                             model=Path(model_dir).resolve().name, ready=True)
         await stay_registered(stack, registry, lambda: _report(loop, info), common.heartbeat_s)
         await server.set_serving(True)
         log.info("serving", role=spec.role, instance=instance_id, address=info.address, rank=rank, dp_size=size,
-                 kv_blocks=engine.runner.kv_layout.num_blocks)
+                 kv_blocks=engine.kv_layout.num_blocks)
         if ready is not None:
             ready.set()
         await _until_stopped(loop, instance_id, context is not None)
@@ -122,12 +141,14 @@ def _join_dep(common: CommonConfig, dep: DEPOptions) -> DEPContext:
 
 async def _until_stopped(loop: EngineLoop, instance_id: str, dep: bool) -> None:
     """Until cancelled; a DEP rank also ends when its engine loop does (the instance cannot go on)."""
-    if not dep:
-        await asyncio.Future()
+    if not dep or loop.ended is None:
+        await asyncio.Future()          # until cancelled
+        return
     reason = await asyncio.shield(loop.ended)
     raise ServiceStopped(f"{instance_id}: {reason}")
 
 
 async def _report(loop: EngineLoop, info: InstanceInfo) -> InstanceInfo:
     status = await loop.status()
+    loop.metrics.observe_load(status.load)
     return replace(info, stats=heartbeat_stats(status))

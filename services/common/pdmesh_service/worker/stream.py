@@ -1,7 +1,13 @@
-"""`RequestStream`: one request's step outputs, fed from the engine thread, read on the event loop."""
+"""`RequestStream`: one request's step outputs, fed from the engine thread, read on the event loop.
+
+The engine thread never touches asyncio objects itself: it posts `feed(items)` or `settle(future, ...)`
+to the event loop (`EngineLoop.post`), where they run.
+"""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from pdmesh_engine.scheduler import StepOutput
 
@@ -21,7 +27,7 @@ class RequestStream:
     def aborted_output(self) -> StepOutput:
         return StepOutput(self.request_id, [], [], [], "abort", None, self.num_prompt_tokens, 0)
 
-    async def __aiter__(self):
+    async def __aiter__(self) -> AsyncIterator[list[StepOutput]]:
         while not self.finished:
             items = [await self.queue.get()]
             while not self.queue.empty():
@@ -36,3 +42,23 @@ class RequestStream:
                     self.finished = True
                     break
             yield steps
+
+
+StreamItem = tuple[RequestStream, StepOutput | BaseException]
+
+
+def feed(items: Sequence[StreamItem]) -> None:
+    """Event loop side: append each output (or the error that ends it) to its stream, in order."""
+    for stream, item in items:
+        stream.queue.put_nowait(item)
+
+
+def settle(future: asyncio.Future[Any], value: Any = None, error: BaseException | None = None) -> None:
+    """Event loop side: resolve `future` with `value`, or fail it with `error`; a no-op once its caller gave
+    up (cancelled) or it was resolved already."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
