@@ -42,6 +42,7 @@ class MeshOptions:
     num_redundant_experts: int = 0         # extra expert slots per MoE layer of DEP instances
     dp_sync: str | None = None             # DEP instances' per-step all-reduce (None: the default)
     max_prefill_inflight: int | None = None   # gateway admission per prefill rank (None: the gateway's default)
+    eplb_args: tuple[str, ...] = ()        # options of the EPLB controller (`pdmesh serve eplb --help`)
 
     def __post_init__(self) -> None:
         if self.mode not in ("disagg", "agg"):
@@ -97,7 +98,7 @@ def plan_mesh(options: MeshOptions, redis_url: str, port_of=free_port, block_of=
                              kv_metrics))
     eplb_port, eplb_metrics = port_of(host), port_of(host)
     specs.append(ServiceSpec("eplb-0", "eplb", f"{host}:{eplb_port}",
-                             common("eplb", "eplb-0", eplb_port, eplb_metrics), eplb_metrics))
+                             common("eplb", "eplb-0", eplb_port, eplb_metrics) + options.eplb_args, eplb_metrics))
     num_prefill = options.num_prefill if options.mode == "disagg" else 0
     for role, count in (("prefill", num_prefill), ("decode", options.num_decode)):
         size = options.dep(role)

@@ -45,7 +45,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         files = generate(Path(tmp))
         committed = sorted(p.relative_to(OUT_ROOT) for p in (OUT_ROOT / OUT_PACKAGE).rglob("*")
-                           if p.is_file() and p.suffix != ".proto" and "__pycache__" not in p.parts)
+                           if p.is_file() and p.suffix not in (".proto", ".typed") and "__pycache__" not in p.parts)
         if args.check:
             stale = [str(f) for f in files
                      if not (OUT_ROOT / f).exists() or not filecmp.cmp(Path(tmp) / f, OUT_ROOT / f, False)]

@@ -22,7 +22,8 @@ fi
 echo "setup: installing the pdmesh distributions (editable) and test tools" >&2
 editable=()
 for dir in $(bash scripts/distributions.sh); do editable+=(-e "./$dir"); done
-pip install "${editable[@]}" -e ".[test]"
+# compat mode: each editable install is a plain path in a .pth file, which mypy and IDEs can follow.
+pip install --config-settings editable_mode=compat "${editable[@]}" -e ".[test]"
 .venv/bin/python -c "import torch, pdmesh_engine, pdmesh_gateway, pdmesh.cli.main" \
   || { echo "setup: the install is broken" >&2; exit 1; }
 echo "setup: ready (.venv/bin/pdmesh)" >&2

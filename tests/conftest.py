@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 
 os.environ["TRITON_INTERPRET"] = "1"
+# As the service entry does for loopback services: NIXL agents built in this process listen on loopback.
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 
 @pytest.fixture(scope="session", autouse=True)

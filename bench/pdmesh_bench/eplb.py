@@ -14,8 +14,8 @@ baseline (DeepSeek-style greedy EPLB, re-planned from scratch every time):
   * plan ms: ours from scratch / ours rebalancing (median), the baseline's one plan;
   * per-step balancedness (with `--step-samples` > 0): sampled steps of `--tokens` tokens.
 
-The live mode (`--dep N --model DIR`: drive a running DEP engine and plan from its recorded loads)
-is not built yet; the parser rejects those options instead of ignoring them.
+The live mode (`--dep N --model DIR`: a DEP decode instance with EPLB off, on, and the
+uniform-routing reference, plus a PNG plot) is `pdmesh_bench.eplb_live`; it takes no `--loads`.
 
 JSON: {"results": [{"loads", "planner" ("ours" | "baseline"), "window_balancedness",
 "moved_fraction_per_rebalance", "next_window_balancedness", "colocated_replicas", "plan_ms",
@@ -26,29 +26,25 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+
+from pdmesh_bench.eplb_live import add_live_arguments, run_live
 
 PLANNERS = ("ours", "baseline")
-_LIVE_MODE = ("the live mode (plan from a running DEP engine's expert loads) is not built yet; "
-              "this benchmark runs offline on --loads files")
-
-
-class _RejectLiveMode(argparse.Action):
-    """`--dep` / `--model`: reserved for the live mode; using one is a parse error, not a no-op."""
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
-        parser.error(f"{option_string}: {_LIVE_MODE}")
+OFFLINE_STEPS = 5           # --steps of the offline mode: rebalances along each drift chain
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--loads", type=Path, nargs="+", required=True,
-                   help='expert-load files, JSON {"logical_count": [[tokens] * E] * L}')
+    p.add_argument("--loads", type=Path, nargs="+", default=None,
+                   help='offline: expert-load files, JSON {"logical_count": [[tokens] * E] * L}')
     p.add_argument("--ranks", type=int, default=32, help="expert-parallel ranks R")
     p.add_argument("--redundant", type=int, default=32, help="redundant slots S per layer")
     p.add_argument("--nodes", type=int, default=1, help="nodes N (R / N ranks each)")
-    p.add_argument("--steps", type=int, default=5, help="rebalances along each drift chain")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"offline: rebalances along each drift chain ({OFFLINE_STEPS}); "
+                        "live: timed decode steps per phase (40)")
     p.add_argument("--noise", type=float, default=0.2, help="drift per window, +- fraction")
     p.add_argument("--move-budget", type=float, default=0.2,
                    help="our max fraction of slots moved per layer and rebalance")
@@ -57,8 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-samples", type=int, default=4, help="sampled steps per plan (0: skip)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write the results here")
-    p.add_argument("--dep", action=_RejectLiveMode, help="live mode: not built yet (rejected)")
-    p.add_argument("--model", action=_RejectLiveMode, help="live mode: not built yet (rejected)")
+    p.add_argument("--dep", type=int, default=None, help="live: DEP ranks of the decode instance")
+    p.add_argument("--model", type=Path, default=None,
+                   help="live: model directory (a skewed checkpoint)")
+    add_live_arguments(p)
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -112,9 +110,24 @@ def _notes(args: argparse.Namespace) -> list[str]:
             "baseline: greedy EPLB in the style of DeepSeek's public one (may co-locate replicas)"]
 
 
+def _usage_error(message: str) -> NoReturn:
+    """A bad combination of modes: exit 2 with the message, as argparse does for a bad option."""
+    print(f"pdmesh bench eplb: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def run(args: argparse.Namespace) -> int:
+    """`--dep`/`--model`: the live mode; otherwise offline on `--loads`."""
     from pdmesh_eplb.simulate import evaluate
 
+    if args.dep is not None or args.model is not None:
+        if args.loads is not None or args.dep is None or args.model is None:
+            _usage_error("the live mode takes --dep N and --model DIR, and no --loads")
+        return run_live(args)
+    if args.loads is None:
+        _usage_error("give --loads FILES (offline) or --dep N --model DIR (the live mode)")
+    steps = OFFLINE_STEPS if args.steps is None else args.steps
+    args = argparse.Namespace(**{**vars(args), "steps": steps})
     if args.steps < 1 or args.step_samples < 0:
         raise ValueError("--steps must be >= 1 and --step-samples >= 0")
     report = evaluate([str(p) for p in args.loads], args.ranks, args.redundant,

@@ -194,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--repeats must be >= 1 and --warmup >= 0")
     if args.ucx_tls:
         os.environ["UCX_TLS"] = args.ucx_tls        # read by UCX when each agent starts; children inherit it
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")  # both agents on loopback, as the local services
     rows, notes = run_bench(sizes, repeats, warmup, args.sender_progress_thread)
     print(format_table(rows))
     for note in notes:

@@ -1,7 +1,15 @@
-"""`EngineCore`: one engine instance, token ids in, token ids out. The step is schedule → execute → update."""
+"""`EngineCore`: one engine instance, token ids in, token ids out. The step is schedule → execute → update.
+
+Expert placement (EPLB): `stage_placement` stages a new placement of the decoder's MoE layers in the
+background (pdmesh_engine.parallel.placement); `step()` switches to it at a step boundary: a single-rank
+engine at the first step after staging finished, a DEP rank in the step where every rank has it ready
+(agreed through the per-step DP sync, pdmesh_engine.parallel.dep). Greedy outputs do not change: a
+placement only decides which slot computes an expert.
+"""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -10,6 +18,7 @@ from pdmesh_engine.config import EngineConfig, ModelConfig
 from pdmesh_engine.kv_cache import KVCacheManager, KVCacheStats
 from pdmesh_engine.model_runner import ModelRunner
 from pdmesh_engine.parallel.dep import DEPContext, LockstepStepper
+from pdmesh_engine.parallel.placement import CheckpointTensors, PlacementStager, StagingStats
 from pdmesh_engine.request import Request, RequestStatus
 from pdmesh_engine.sampling import SamplingParams, check_prompt
 from pdmesh_engine.scheduler import Scheduler, SchedulerConfig, StepOutput
@@ -43,9 +52,11 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, layout.block_size, self.config.enable_prefix_caching)
         self.max_model_len = min(self.config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings, num_blocks * layout.block_size)
+        self.stager = PlacementStager(self.runner.model, CheckpointTensors(model_dir), self.runner.expert_load)
         self.lockstep: LockstepStepper | None = None
         if dep is not None:
-            self.lockstep = LockstepStepper(dep.dp_sync, self.runner, scratch_block=num_blocks)
+            self.lockstep = LockstepStepper(dep.dp_sync, self.runner, scratch_block=num_blocks,
+                                            placement=self.stager, size=dep.config.size)
         self.scheduler = Scheduler(SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                                    self.max_model_len), self.kv)
         self._ids = itertools.count()
@@ -84,6 +95,10 @@ class EngineCore:
                        eos_token_ids=self.model_config.eos_token_ids)
 
     def step(self) -> list[StepOutput]:
+        if self.lockstep is None:           # single rank: a ready placement is switched in before scheduling
+            ready = self.stager.ready_version()
+            if ready:
+                self.stager.switch_to(ready)
         output = self.scheduler.schedule()
         if self.lockstep is not None:       # DEP: DP sync, then the batch, a dummy forward or nothing
             pending = self.scheduler.num_running + len(self.scheduler.waiting)
@@ -94,6 +109,48 @@ class EngineCore:
 
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id)
+
+    # ----- expert placement (EPLB) -----
+    @property
+    def placement_version(self) -> int:
+        """The target placement running now (0: the checkpoint's initial one)."""
+        return self.stager.running_version
+
+    @property
+    def staged_version(self) -> int:
+        """The target placement staged and ready to switch to (= `placement_version` when none is)."""
+        return self.stager.staged_version
+
+    @property
+    def last_staging(self) -> StagingStats | None:
+        """What staging the last finished version cost (slots changed, copied, read, bytes, seconds)."""
+        return self.stager.last_stats
+
+    def stage_placement(self, version: int, physical_to_logical: Sequence[Sequence[int]]) -> bool:
+        """Stage `physical_to_logical` ([L][P], one row per decoder MoE layer) as `version` in a background
+        thread and return at once; False if the version is not newer than the running/staged/staging one
+        or the shape does not fit. `step()` switches to it (module docstring)."""
+        return self.stager.request(version, physical_to_logical)
+
+    def expert_load_steps(self) -> tuple[int, int]:
+        """(forward steps recorded since start, that count when the running placement was switched in)."""
+        recorder = self.runner.expert_load
+        return (recorder.step, recorder.restart_step) if recorder is not None else (0, 0)
+
+    @property
+    def bytes_per_expert(self) -> int:
+        """Bytes of one routed expert's weights (w13 + w2 of one slot); 0 without MoE layers."""
+        moe = self.runner.model.moe_layers
+        return int(moe[0].w13[0].nbytes + moe[0].w2[0].nbytes) if moe else 0
+
+    def expert_load_window(self) -> tuple[int, int, list[list[int]]]:
+        """(steps recorded since the last switch, capped at the window; the window; [L][P] tokens per slot
+        routed by this rank over those steps), with one host sync for all layers."""
+        recorder = self.runner.expert_load
+        if recorder is None:
+            return 0, self.config.expert_load_window, []
+        counts: list[list[int]] = recorder.window_totals().tolist()
+        return min(recorder.steps_since_restart, recorder.window), recorder.window, counts
 
     def finish(self, request_id: str, stop_reason: str) -> None:
         """End a request that met a stop string (found by the detokenizing front end)."""

@@ -36,11 +36,24 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prefill-inflight", type=int, default=None,
                    help="requests per prefill rank between Reserve and the end of Prefill; others queue at the "
                         "gateway (default: the gateway's)")
+    g = p.add_argument_group("EPLB controller (started with the mesh; balances the experts of DEP instances)")
+    g.add_argument("--no-eplb", action="store_true", help="the controller tracks placements but never rebalances")
+    g.add_argument("--eplb-window-steps", type=int, default=None, help="steps of expert load one plan is fitted on")
+    g.add_argument("--eplb-step-interval", type=int, default=None, help="steps between periodic rebalances")
     p.add_argument("--log-dir", type=Path, default=None, help="service logs (default: a new temp folder)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     add_engine_options(p)
     p.set_defaults(run=run)
+
+
+def eplb_argv(args: argparse.Namespace) -> tuple[str, ...]:
+    """The controller's options among `pdmesh up`'s, as its own flags."""
+    argv: tuple[str, ...] = ("--no-rebalance",) if args.no_eplb else ()
+    for flag, value in (("--eplb-window-steps", args.eplb_window_steps),
+                        ("--eplb-step-interval", args.eplb_step_interval)):
+        argv += (flag, str(value)) if value is not None else ()
+    return argv
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
                           redis_url=args.redis_url, deployment=args.deployment, log_dir=log_dir,
                           log_level=args.log_level, prefill_dep=args.prefill_dep, decode_dep=args.decode_dep,
                           num_redundant_experts=args.num_redundant_experts, dp_sync=args.dp_sync,
-                          max_prefill_inflight=args.max_prefill_inflight)
+                          max_prefill_inflight=args.max_prefill_inflight, eplb_args=eplb_argv(args))
     if args.torch_threads is None:     # worker ranks share this machine's cores
         args.torch_threads = max(1, (os.cpu_count() or 1) // max(1, options.num_worker_processes))
     options = replace(options, worker_args=tuple(engine_argv(args)))

@@ -26,7 +26,7 @@ TORCH_FREE = ("gateway", "kvstore", "eplb")
 GPU_WORKERS = ("prefill", "decode")
 # Flags the manifests use that the services do not take yet (the per-pod DEP ranks need rank 0's
 # address: deploy/README.md, "Rank identity"). A flag leaves this set when the service gains it.
-PENDING_FLAGS = frozenset({"--dist-host"})
+PENDING_FLAGS: frozenset[str] = frozenset()   # flags the manifests use before a service knows them (none)
 # What the downward API gives, for checking the expanded arguments.
 FIELD_SAMPLES = {
     "status.podIP": "10.1.2.3",

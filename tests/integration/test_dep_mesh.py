@@ -82,7 +82,7 @@ def test_concurrent_greedy_outputs_equal_offline_engine(served: dict, offline: d
 
 
 def test_mesh_view_lists_every_rank(dep_mesh: Mesh) -> None:
-    rows = httpx.get(f"{http_url(dep_mesh)}/mesh", timeout=10).json()
+    rows = httpx.get(f"{http_url(dep_mesh)}/mesh", timeout=10).json()["instances"]
     for role in ("prefill", "decode"):
         size = dep_mesh.options.dep(role)
         ranks = sorted((row for row in rows if row["role"] == role), key=lambda row: row["rank"])

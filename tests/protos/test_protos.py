@@ -40,7 +40,8 @@ def test_protos_are_versioned_packages() -> None:
 
 @pytest.mark.parametrize("module", ["pdmesh_gateway.core", "pdmesh_gateway.router",
                                     "pdmesh_kvstore.core", "pdmesh_decode.core",
-                                    "pdmesh_prefill.core", "pdmesh_engine.scheduler"])
+                                    "pdmesh_prefill.core", "pdmesh_engine.scheduler", "pdmesh_eplb.controller",
+                                    "pdmesh_eplb.planner", "pdmesh_service.eplb_protocol", "pdmesh_service.handoff"])
 def test_pure_cores_import_no_transport(module: str) -> None:
     code = f"import sys, {module}; print(sorted(m for m in ('grpc', 'redis', 'nixl') if m in sys.modules))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

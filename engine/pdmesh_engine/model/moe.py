@@ -124,9 +124,8 @@ class ExpertLoadRecorder:
     """Tokens routed to each physical slot, per MoE layer, for the last `window` steps (a ring).
 
     `restart()` (at a placement switch) empties the ring: counts recorded under one placement are never
-    summed with counts under another (slot ids mean different experts). `steps_since_restart` counts the
-    rows written since then; `step` keeps counting globally (DEP ranks restart at the same step, so their
-    rings stay aligned).
+    summed with counts under another (slot ids mean different experts). `step` keeps counting globally
+    (DEP ranks restart at the same step, so their rings stay aligned); `restart_step` is its value then.
     """
 
     def __init__(self, num_layers: int, num_physical: int, window: int = 1000,
@@ -136,7 +135,7 @@ class ExpertLoadRecorder:
         # Kept on the model's device: recording is a scatter-add there, with no host sync in the step.
         self.counts = torch.zeros(window, num_layers, num_physical, dtype=torch.int64, device=device)
         self.step = 0              # steps recorded so far; the current row is step % window
-        self.steps_since_restart = 0
+        self.restart_step = 0      # `step` at the last restart
         self._current = torch.zeros(num_layers, num_physical, dtype=torch.int64, device=device)
 
     def record(self, layer: int, slot_ids: torch.Tensor) -> None:
@@ -147,13 +146,16 @@ class ExpertLoadRecorder:
         self.counts[self.step % self.counts.shape[0]] = self._current
         self._current.zero_()
         self.step += 1
-        self.steps_since_restart += 1
 
     def restart(self) -> None:
         """Forget every recorded step (a new placement starts its own window)."""
         self.counts.zero_()
         self._current.zero_()
-        self.steps_since_restart = 0
+        self.restart_step = self.step
+
+    @property
+    def steps_since_restart(self) -> int:
+        return self.step - self.restart_step
 
     @property
     def window(self) -> int:

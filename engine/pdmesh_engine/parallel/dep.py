@@ -14,6 +14,12 @@ every MoE layer (the `AllToAllDispatcher`), so they must run the same number of 
 `stop` (after its forward, if any), so a serving instance's ranks leave the collective sequence at the
 same step.
 
+Placement switch (EPLB): the same all-reduce also carries [is_staged, V, V*V], where V is the placement
+version this rank has staged and ready (0, 0, 0 when none). Every rank switches to V in this step, before
+its forward, iff sum(is_staged) == size and size * sum(V*V) == sum(V)**2 (all ranks hold the same V: the
+variance of the V's is zero); V = sum(V) / size. The rule is a function of the sums only, so every rank
+takes the same decision in the same step; no collective is added. Versions stay far below 2**28.
+
 The rendezvous (a TCPStore on rank 0) listens on `master_addr` only. Gloo's pair sockets use the
 network interface `DEPConfig.gloo_interface` (by default: the loopback interface for a loopback master),
 given to gloo as a device of the process group's options (`gloo_backend`), not through the environment.
@@ -29,7 +35,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -220,6 +226,7 @@ class LockstepRecord:
     ran_forward: bool
     dummy: bool
     stop: bool = False         # some rank asked to stop: every rank leaves the step sequence after this one
+    switched_to: int = 0       # the placement version every rank switched to before this step's forward
 
 
 @dataclass
@@ -231,11 +238,36 @@ class LockstepCounters:
     sync_s: float = 0.0        # time in the DP sync (includes waiting for slower ranks)
 
 
-class LockstepStepper:
-    """The DEP step after scheduling: DP sync, then the real batch, a dummy forward, or nothing."""
+class PlacementSwitch(Protocol):
+    """What the stepper needs from the engine's placement stager (pdmesh_engine.parallel.placement)."""
 
-    def __init__(self, dp_sync: DPSync, runner: ModelRunner, scratch_block: int) -> None:
+    def ready_version(self) -> int:
+        """The placement version staged and ready to switch to; 0 if none."""
+        ...
+
+    def switch_to(self, version: int) -> None:
+        """Adopt the ready `version` now (between two forwards)."""
+        ...
+
+
+def agreed_version(num_staged: int, version_sum: int, version_square_sum: int, size: int) -> int:
+    """The version every rank switches to in this step (0: none), from the DP sync's sums (module docstring)."""
+    if num_staged != size or version_sum <= 0 or size * version_square_sum != version_sum * version_sum:
+        return 0
+    return version_sum // size
+
+
+class LockstepStepper:
+    """The DEP step after scheduling: DP sync, then the real batch, a dummy forward, or nothing.
+
+    With `placement`, a staged placement version is switched in at the step where every one of the
+    `size` ranks has it ready (module docstring); `LockstepRecord.switched_to` says when.
+    """
+
+    def __init__(self, dp_sync: DPSync, runner: ModelRunner, scratch_block: int,
+                 placement: PlacementSwitch | None = None, size: int = 1) -> None:
         self.dp_sync, self.runner, self.scratch_block = dp_sync, runner, scratch_block
+        self.placement, self.size = placement, size
         self.counters = LockstepCounters()
         self.last: LockstepRecord | None = None
         self.stop_requested = False
@@ -248,15 +280,20 @@ class LockstepStepper:
                 num_unfinished: int) -> dict[str, SampledToken]:
         """Every rank calls this once per step, whatever it scheduled (collective)."""
         start = time.perf_counter()
-        local = torch.tensor([int(not output.is_empty), output.num_tokens, num_unfinished, int(self.stop_requested)],
-                             dtype=torch.int64)
+        ready = self.placement.ready_version() if self.placement is not None else 0
+        local = torch.tensor([int(not output.is_empty), output.num_tokens, num_unfinished, int(self.stop_requested),
+                              int(ready > 0), ready, ready * ready], dtype=torch.int64)
         self.dp_sync.all_reduce(local)
-        ranks_with_work, num_tokens, unfinished, stops = local.tolist()
+        ranks_with_work, num_tokens, unfinished, stops, num_staged, version_sum, square_sum = local.tolist()
         counters = self.counters
         counters.sync_s += time.perf_counter() - start
         counters.steps += 1
+        switched_to = agreed_version(num_staged, version_sum, square_sum, self.size)
+        if switched_to and self.placement is not None:
+            self.placement.switch_to(switched_to)       # every rank, before this step's forward
         ran, dummy = ranks_with_work > 0, ranks_with_work > 0 and output.is_empty
-        self.last = LockstepRecord(ranks_with_work, num_tokens, unfinished, output.num_tokens, ran, dummy, stops > 0)
+        self.last = LockstepRecord(ranks_with_work, num_tokens, unfinished, output.num_tokens, ran, dummy, stops > 0,
+                                   switched_to)
         if not ran:
             counters.idle += 1
             self.runner.end_requests(output.finished_ids)

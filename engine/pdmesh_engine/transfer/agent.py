@@ -19,17 +19,15 @@ Contracts:
 
 Transport (UCX picks it; `UCX_TLS` overrides): on one host block bytes go by `cma` (one kernel copy,
 process_vm_writev), notifications and connection set-up by `tcp`. UCX's tcp transport listens on every
-network device it is given: `net_devices="lo"` (the default) keeps it on loopback like the services;
-pass e.g. "eth0" (or None: all devices) for agents on other hosts. A `UCX_NET_DEVICES` in the
-environment wins over the argument.
+network device in `UCX_NET_DEVICES`, which UCX reads from the process environment when an agent is
+built. This module never sets it: the service entry does, once at process start (`lo` when the service
+binds loopback; compose and Kubernetes set e.g. `eth0` or an RDMA device as configuration).
 """
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -64,21 +62,8 @@ class Transfer:
         return None if self.finished_s is None else self.finished_s - self.started_s
 
 
-@contextlib.contextmanager
-def _ucx_net_devices(devices: str | None) -> Iterator[None]:
-    """UCX_NET_DEVICES=`devices` while an agent is built (UCX reads it then), unless the environment sets it."""
-    if devices is None or "UCX_NET_DEVICES" in os.environ:
-        yield
-        return
-    os.environ["UCX_NET_DEVICES"] = devices
-    try:
-        yield
-    finally:
-        os.environ.pop("UCX_NET_DEVICES", None)
-
-
-def _new_nixl_agent(name: str, progress_thread: bool, progress_delay_us: int, net_devices: str | None) -> Any:
-    """`nixl_agent(name)` with the UCX backend, its network devices and the progress thread's idle delay set.
+def _new_nixl_agent(name: str, progress_thread: bool, progress_delay_us: int) -> Any:
+    """`nixl_agent(name)` with the UCX backend and the progress thread's idle delay set.
 
     nixl's Python wrapper hard-codes `pthrDelay = 0` (a busy loop); the config class is swapped, only
     while the agent is built, for one that keeps our delay. If the bindings change shape, fall back.
@@ -86,7 +71,7 @@ def _new_nixl_agent(name: str, progress_thread: bool, progress_delay_us: int, ne
     config = nixl_api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
     bindings = getattr(nixl_api, "nixlBind", None)
     base = getattr(bindings, "nixlAgentConfig", None)
-    with _CONFIG_LOCK, _ucx_net_devices(net_devices):
+    with _CONFIG_LOCK:
         if base is None or not progress_thread:
             return nixl_api.nixl_agent(name, config)
 
@@ -104,15 +89,14 @@ def _new_nixl_agent(name: str, progress_thread: bool, progress_delay_us: int, ne
 class KVTransferAgent:
     """Owns one NIXL agent and the registration of one KV pool."""
 
-    def __init__(self, name: str, kv: torch.Tensor, progress_thread: bool = True, progress_delay_us: int = 1000,
-                 net_devices: str | None = "lo") -> None:
+    def __init__(self, name: str, kv: torch.Tensor, progress_thread: bool = True, progress_delay_us: int = 1000) -> None:
         if not name:
             raise ValueError("agent name must not be empty")
         self.name = name
         self.layout = PoolLayout.of_tensor(kv)
         self._kv = kv                                   # keep the memory alive while registered
         self._lock = threading.RLock()
-        self._agent = _new_nixl_agent(name, progress_thread, progress_delay_us, net_devices)
+        self._agent = _new_nixl_agent(name, progress_thread, progress_delay_us)
         self._registration = self._agent.register_memory(kv)
         self._peers: dict[str, bytes] = {}              # peer name -> metadata it was added with
         self.bytes_sent = self.num_transfers = self.num_failures = 0

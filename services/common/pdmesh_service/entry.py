@@ -6,10 +6,22 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from types import ModuleType
 
-from pdmesh_service.options import run_service
+from pdmesh_service.options import CommonConfig, run_service
+
+
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def process_environment(common: CommonConfig) -> None:
+    """The one environment setting made for libraries that read nothing else: UCX (under NIXL) listens
+    on the devices in UCX_NET_DEVICES, so a service bound to loopback keeps its KV transport there too.
+    Set once, at process start, before any agent exists; a value given by the deployment wins."""
+    if common.host in LOOPBACK_HOSTS or common.host.startswith("127."):
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 
 def serve_main(role: str, server: ModuleType, argv: list[str] | None = None) -> int:
@@ -22,6 +34,7 @@ def serve_main(role: str, server: ModuleType, argv: list[str] | None = None) -> 
         config = server.config_from_args(options)
     except ValueError as e:
         parser.error(str(e))
+    process_environment(config.common)
     dep = getattr(config, "dep", None)
     if dep is not None and dep.is_supervisor:
         return server.supervise(role, argv, config)       # worker roles: one process per DEP rank

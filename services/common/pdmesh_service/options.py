@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
-from collections.abc import Awaitable, Callable
+import socket
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import start_http_server
 
@@ -20,6 +23,9 @@ log = get_logger(__name__)
 
 class ServiceStopped(Exception):
     """A service's `main()` ended on its own (e.g. a DEP rank whose instance stopped): the process exits 1."""
+
+
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 
 
 @dataclass(frozen=True)
@@ -43,23 +49,42 @@ class CommonConfig:
             raise ValueError(f"--redis-url must be a redis:// URL, got {self.redis_url!r}")
 
     def address(self, port: int) -> str:
-        return f"{self.advertise_host or self.host}:{port}"
+        """Where others reach this service: --advertise-host, else --host; bound to every interface
+        (0.0.0.0, ::) with no advertise host, this machine's own address (what its hostname resolves to)."""
+        host = self.advertise_host or self.host
+        if host in WILDCARD_HOSTS:
+            host = socket.gethostbyname(socket.gethostname())
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     def instance(self, role: str, port: int) -> str:
         return self.instance_id or f"{role}-{port}"
 
 
-def add_common_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("service")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    g.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
-    g.add_argument("--advertise-host", default="", help="host others use to reach this service")
-    g.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
-    g.add_argument("--deployment", default="default", help="namespace of this mesh's Redis keys")
-    g.add_argument("--instance-id", default="", help="registry id (default: ROLE-PORT)")
-    g.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
-    g.add_argument("--heartbeat-s", type=float, default=1.0)
-    g.add_argument("--log-level", default="INFO")
+ENV_PREFIX = "PDMESH_"      # PDMESH_REDIS_URL=... is the default of --redis-url (a flag still wins)
+
+
+def add_common_arguments(p: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
+    """The options every service takes. Each one's default can come from the environment as
+    `PDMESH_<OPTION>` (e.g. PDMESH_REDIS_URL, PDMESH_ADVERTISE_HOST): how compose and Kubernetes
+    configure a container without rewriting its command. This is the one place services read it."""
+    env = os.environ if environ is None else environ
+
+    def default(flag: str, value: Any) -> Any:
+        return env.get(ENV_PREFIX + flag.removeprefix("--").replace("-", "_").upper(), value)
+
+    g = p.add_argument_group("service (defaults also from PDMESH_<OPTION> environment variables)")
+    g.add_argument("--host", default=default("--host", "127.0.0.1"), help="address to bind (default: loopback only)")
+    g.add_argument("--port", type=int, default=default("--port", 0), help="gRPC port (0: any free port)")
+    g.add_argument("--advertise-host", default=default("--advertise-host", ""),
+                   help="host others use to reach this service (default: --host)")
+    g.add_argument("--redis-url", default=default("--redis-url", "redis://127.0.0.1:6379/0"))
+    g.add_argument("--deployment", default=default("--deployment", "default"),
+                   help="namespace of this mesh's Redis keys")
+    g.add_argument("--instance-id", default=default("--instance-id", ""), help="registry id (default: ROLE-PORT)")
+    g.add_argument("--metrics-port", type=int, default=default("--metrics-port", None),
+                   help="serve Prometheus metrics on this port")
+    g.add_argument("--heartbeat-s", type=float, default=default("--heartbeat-s", 1.0))
+    g.add_argument("--log-level", default=default("--log-level", "INFO"))
 
 
 def common_from_args(args: argparse.Namespace) -> CommonConfig:

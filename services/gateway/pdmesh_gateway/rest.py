@@ -14,6 +14,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import asdict
 from typing import Any, TypeVar
 
+import redis.asyncio as aioredis
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -25,6 +26,7 @@ from pdmesh_engine.tokenizer import Tokenizer
 from pdmesh_gateway.core import GenerationEvent, GenerationResult, ModelInfo
 from pdmesh_gateway.openai_api import (OpenAIRequest, Shaper, error_body, models_response, parse_chat, parse_completion)
 from pdmesh_gateway.orchestrator import Orchestrator
+from pdmesh_service.eplb_protocol import summarize_all
 from pdmesh_service.errors import InvalidArgument, MeshError
 from pdmesh_service.instance import Role
 from pdmesh_service.logging import get_logger
@@ -32,6 +34,17 @@ from pdmesh_service.logging import get_logger
 log = get_logger(__name__)
 T = TypeVar("T")
 _HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 400: "invalid_request_error"}
+
+
+# The rows of GET /mesh/eplb: one dict per (instance, model) (`EplbSummary.to_dict`), read from Redis.
+EplbView = Callable[[], Awaitable[list[dict[str, Any]]]]
+
+
+def eplb_view(redis: aioredis.Redis, deployment: str) -> EplbView:
+    """The EPLB state of `deployment` as eplb_protocol keeps it in Redis."""
+    async def rows() -> list[dict[str, Any]]:
+        return [s.to_dict() for s in await summarize_all(redis, deployment, default_enabled=None)]
+    return rows
 
 
 class ClientGone(Exception):
@@ -116,8 +129,9 @@ class _Handlers:
     """Route handlers: each a few lines over openai_api and the orchestrator."""
 
     def __init__(self, orchestrator: Orchestrator, tokenizer: Tokenizer, model: ModelInfo,
-                 registry: CollectorRegistry) -> None:
+                 registry: CollectorRegistry, eplb: EplbView | None = None) -> None:
         self.orchestrator, self.tokenizer, self.model, self.registry = orchestrator, tokenizer, model, registry
+        self.eplb = eplb
 
     async def _generate(self, request: Request,
                         parse: Callable[[Any, Tokenizer, ModelInfo], OpenAIRequest]) -> Response:
@@ -163,10 +177,16 @@ class _Handlers:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def mesh(self, _: Request) -> Response:
-        """Every registered instance with its role, rank, address, readiness and stats."""
+        """`instances`: every registered instance rank with its role, rank, address, readiness and load;
+        `eplb`: what /mesh/eplb lists (expert placements per instance and model)."""
         now_ms = int(time.time() * 1000)
-        return JSONResponse([{**asdict(i), "age_ms": max(now_ms - i.updated_ms, 0)}
-                             for i in self.orchestrator.router.snapshot()])
+        instances = [{**asdict(i), "age_ms": max(now_ms - i.updated_ms, 0)} for i in self.orchestrator.router.snapshot()]
+        return JSONResponse({"instances": instances, "eplb": await self.eplb() if self.eplb is not None else []})
+
+    async def mesh_eplb(self, _: Request) -> Response:
+        """Per (instance, model): placement version, the ranks' running versions, balancedness now, the
+        last rebalance (slots and bytes moved, plan ms), the Off switch (null: the controller's default)."""
+        return JSONResponse(await self.eplb() if self.eplb is not None else [])
 
 
 async def _mesh_error(_: Request, error: Exception) -> Response:
@@ -181,11 +201,13 @@ async def _http_error(_: Request, error: Exception) -> Response:
 
 
 def create_app(orchestrator: Orchestrator, tokenizer: Tokenizer, model: ModelInfo,
-               registry: CollectorRegistry | None = None) -> Starlette:
-    """The gateway's HTTP app; `registry` is what /metrics exposes (default: the process registry)."""
-    h = _Handlers(orchestrator, tokenizer, model, registry or REGISTRY)
+               registry: CollectorRegistry | None = None, eplb: EplbView | None = None) -> Starlette:
+    """The gateway's HTTP app; `registry` is what /metrics exposes (default: the process registry),
+    `eplb` what /mesh/eplb lists (none: an empty list)."""
+    h = _Handlers(orchestrator, tokenizer, model, registry or REGISTRY, eplb)
     routes = [Route("/v1/completions", h.completions, methods=["POST"]),
               Route("/v1/chat/completions", h.chat, methods=["POST"]),
               Route("/v1/models", h.models, methods=["GET"]), Route("/health", h.health, methods=["GET"]),
-              Route("/metrics", h.metrics, methods=["GET"]), Route("/mesh", h.mesh, methods=["GET"])]
+              Route("/metrics", h.metrics, methods=["GET"]), Route("/mesh", h.mesh, methods=["GET"]),
+              Route("/mesh/eplb", h.mesh_eplb, methods=["GET"])]
     return Starlette(routes=routes, exception_handlers={MeshError: _mesh_error, HTTPException: _http_error})

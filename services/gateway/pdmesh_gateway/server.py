@@ -20,7 +20,7 @@ from pdmesh_engine.tokenizer import Tokenizer
 from pdmesh_gateway.core import ModelInfo
 from pdmesh_gateway.metrics import GatewayMetrics
 from pdmesh_gateway.orchestrator import DEFAULT_MAX_PREFILL_INFLIGHT, Mode, Orchestrator
-from pdmesh_gateway.rest import create_app
+from pdmesh_gateway.rest import create_app, eplb_view
 from pdmesh_gateway.router import Router, refresh_forever
 from pdmesh_gateway.servicer import SERVICE_NAME, GenerateServicer, add_to_server
 from pdmesh_service.grpc_server import start_grpc_server
@@ -127,8 +127,8 @@ async def serve(config: GatewayConfig, ready: asyncio.Event | None = None) -> No
     servicer = GenerateServicer(orchestrator, tokenizer, model)
     grpc_server = await start_grpc_server(common.host, common.port, [lambda s: add_to_server(servicer, s)],
                                           [SERVICE_NAME])
-    http, http_task, http_port = await _start_http(create_app(orchestrator, tokenizer, model, REGISTRY),
-                                                   common.host, config.http_port)
+    app = create_app(orchestrator, tokenizer, model, REGISTRY, eplb=eplb_view(redis, common.deployment))
+    http, http_task, http_port = await _start_http(app, common.host, config.http_port)
     instance_id = common.instance(Role.GATEWAY, grpc_server.port)
 
     def report() -> InstanceInfo:

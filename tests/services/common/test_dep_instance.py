@@ -2,6 +2,8 @@
 engine loop's lockstep driving (a fake engine: one collective per iteration, idle back-off, shared stop)."""
 from __future__ import annotations
 
+import argparse
+
 import asyncio
 import socket
 import time
@@ -151,3 +153,24 @@ def test_plan_mesh_starts_the_eplb_controller_after_the_kvstore() -> None:
     assert roles.index("kvstore") < roles.index("eplb") < roles.index("prefill") < roles.index("gateway")
     eplb = next(s for s in specs if s.role == "eplb")
     assert eplb.argv[eplb.argv.index("serve") + 1] == "eplb" and "--model" not in eplb.argv
+
+
+def test_dist_host_ranks_one_per_host_keep_their_ports_and_meet_at_rank_zero() -> None:
+    dep = DEPOptions(4, 2, 29500, dist_host="decode-0.decode-ranks")
+    rank = rank_common(CommonConfig(host="0.0.0.0", port=50051, instance_id="decode-0", metrics_port=9090),
+                       "decode", dep)
+    assert (rank.port, rank.metrics_port, rank.instance_id) == (50051, 9090, "decode-0-r2")
+    assert master_addr("0.0.0.0", dep.dist_host) == "decode-0.decode-ranks"
+    with pytest.raises(ValueError, match="--dist-host"):
+        DEPOptions(4, None, 29500, dist_host="decode-0")
+
+
+def test_pdmesh_up_passes_the_eplb_options_to_the_controller_only() -> None:
+    from pdmesh.cli.up_cmd import eplb_argv
+
+    args = argparse.Namespace(no_eplb=True, eplb_window_steps=8, eplb_step_interval=None)
+    options = MeshOptions(model_dir=Path("/m"), eplb_args=eplb_argv(args))
+    specs = plan_mesh(options, "redis://127.0.0.1:1/0")
+    eplb = next(s for s in specs if s.role == "eplb")
+    assert eplb.argv[-3:] == ("--no-rebalance", "--eplb-window-steps", "8")
+    assert all("--eplb-window-steps" not in s.argv for s in specs if s.role != "eplb")

@@ -450,7 +450,7 @@ async def _check_rest(client: httpx.AsyncClient, tok: Tokenizer, decode: FakeDec
     assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"] == tok.decode(script[:3])
     assert (await client.get("/health")).json() == {"status": "ok", "mode": "disagg", "decode": 1, "prefill": 1}
     assert (await client.get("/v1/models")).json()["data"][0]["root"] == "tiny-dir"
-    assert {i["role"] for i in (await client.get("/mesh")).json()} == {"decode", "prefill"}
+    assert {i["role"] for i in (await client.get("/mesh")).json()["instances"]} == {"decode", "prefill"}
     bad = await client.post("/v1/completions", content=b"{not json")
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
     assert (await client.post("/v1/completions", json={"model": "x", "prompt": "a"})).status_code == 404

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fpdmesh_proto/eplb/v1/eplb.proto\x12\x0epdmesh.eplb.v1\"\x0f\n\rStatusRequest\"`\n\nEplbStatus\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x65nabled\x18\x02 \x01(\x08\x12,\n\x06models\x18\x03 \x03(\x0b\x32\x1c.pdmesh.eplb.v1.TrackedModel\"J\n\x0cTrackedModel\x12\x10\n\x08instance\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x19\n\x11placement_version\x18\x03 \x01(\x04\x32K\n\x04\x45plb\x12\x43\n\x06Status\x12\x1d.pdmesh.eplb.v1.StatusRequest\x1a\x1a.pdmesh.eplb.v1.EplbStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fpdmesh_proto/eplb/v1/eplb.proto\x12\x0epdmesh.eplb.v1\"\x0f\n\rStatusRequest\"`\n\nEplbStatus\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x65nabled\x18\x02 \x01(\x08\x12,\n\x06models\x18\x03 \x03(\x0b\x32\x1c.pdmesh.eplb.v1.TrackedModel\"\xbf\x02\n\x0cTrackedModel\x12\x10\n\x08instance\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x19\n\x11placement_version\x18\x03 \x01(\x04\x12*\n\x05ranks\x18\x04 \x03(\x0b\x32\x1b.pdmesh.eplb.v1.RankVersion\x12\x14\n\x0c\x62\x61lancedness\x18\x05 \x01(\x01\x12\x18\n\x10has_balancedness\x18\x06 \x01(\x08\x12\x37\n\x0elast_rebalance\x18\x07 \x01(\x0b\x32\x1f.pdmesh.eplb.v1.RebalanceRecord\x12\x0f\n\x07\x65nabled\x18\x08 \x01(\x08\x12\x12\n\nnum_layers\x18\t \x01(\r\x12\x11\n\tnum_slots\x18\n \x01(\r\x12\x13\n\x0bnum_logical\x18\x0b \x01(\r\x12\x11\n\tnum_ranks\x18\x0c \x01(\r\"Z\n\x0bRankVersion\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x17\n\x0frunning_version\x18\x02 \x01(\x04\x12\x16\n\x0estaged_version\x18\x03 \x01(\x04\x12\x0c\n\x04step\x18\x04 \x01(\x04\"\xc2\x01\n\x0fRebalanceRecord\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x12\n\ncreated_ms\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x17\n\x0fnum_slots_moved\x18\x04 \x01(\x04\x12\x17\n\x0fnum_bytes_moved\x18\x05 \x01(\x04\x12\x1b\n\x13\x62\x61lancedness_before\x18\x06 \x01(\x01\x12\x1a\n\x12\x62\x61lancedness_after\x18\x07 \x01(\x01\x12\x0f\n\x07plan_ms\x18\x08 \x01(\x01\"B\n\x10RebalanceRequest\x12\x10\n\x08instance\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\r\n\x05\x66orce\x18\x03 \x01(\x08\"h\n\x11RebalanceResponse\x12\x12\n\nrebalanced\x18\x01 \x01(\x08\x12/\n\x06record\x18\x02 \x01(\x0b\x32\x1f.pdmesh.eplb.v1.RebalanceRecord\x12\x0e\n\x06reason\x18\x03 \x01(\t\"6\n\x11SetEnabledRequest\x12\x10\n\x08instance\x18\x01 \x01(\t\x12\x0f\n\x07\x65nabled\x18\x02 \x01(\x08\"7\n\x12SetEnabledResponse\x12\x10\n\x08instance\x18\x01 \x01(\t\x12\x0f\n\x07\x65nabled\x18\x02 \x01(\x08\"G\n\x13GetPlacementRequest\x12\x10\n\x08instance\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x04\"\x1d\n\nLayerSlots\x12\x0f\n\x07logical\x18\x01 \x03(\r\"\xcd\x01\n\x14GetPlacementResponse\x12\x10\n\x08instance\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x11\n\tnum_ranks\x18\x04 \x01(\r\x12*\n\x06layers\x18\x05 \x03(\x0b\x32\x1a.pdmesh.eplb.v1.LayerSlots\x12\x12\n\ncreated_ms\x18\x06 \x01(\x03\x12\x30\n\x07history\x18\x07 \x03(\x0b\x32\x1f.pdmesh.eplb.v1.RebalanceRecord2\xcd\x02\n\x04\x45plb\x12\x43\n\x06Status\x12\x1d.pdmesh.eplb.v1.StatusRequest\x1a\x1a.pdmesh.eplb.v1.EplbStatus\x12P\n\tRebalance\x12 .pdmesh.eplb.v1.RebalanceRequest\x1a!.pdmesh.eplb.v1.RebalanceResponse\x12S\n\nSetEnabled\x12!.pdmesh.eplb.v1.SetEnabledRequest\x1a\".pdmesh.eplb.v1.SetEnabledResponse\x12Y\n\x0cGetPlacement\x12#.pdmesh.eplb.v1.GetPlacementRequest\x1a$.pdmesh.eplb.v1.GetPlacementResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATUSREQUEST']._serialized_end=66
   _globals['_EPLBSTATUS']._serialized_start=68
   _globals['_EPLBSTATUS']._serialized_end=164
-  _globals['_TRACKEDMODEL']._serialized_start=166
-  _globals['_TRACKEDMODEL']._serialized_end=240
-  _globals['_EPLB']._serialized_start=242
-  _globals['_EPLB']._serialized_end=317
+  _globals['_TRACKEDMODEL']._serialized_start=167
+  _globals['_TRACKEDMODEL']._serialized_end=486
+  _globals['_RANKVERSION']._serialized_start=488
+  _globals['_RANKVERSION']._serialized_end=578
+  _globals['_REBALANCERECORD']._serialized_start=581
+  _globals['_REBALANCERECORD']._serialized_end=775
+  _globals['_REBALANCEREQUEST']._serialized_start=777
+  _globals['_REBALANCEREQUEST']._serialized_end=843
+  _globals['_REBALANCERESPONSE']._serialized_start=845
+  _globals['_REBALANCERESPONSE']._serialized_end=949
+  _globals['_SETENABLEDREQUEST']._serialized_start=951
+  _globals['_SETENABLEDREQUEST']._serialized_end=1005
+  _globals['_SETENABLEDRESPONSE']._serialized_start=1007
+  _globals['_SETENABLEDRESPONSE']._serialized_end=1062
+  _globals['_GETPLACEMENTREQUEST']._serialized_start=1064
+  _globals['_GETPLACEMENTREQUEST']._serialized_end=1135
+  _globals['_LAYERSLOTS']._serialized_start=1137
+  _globals['_LAYERSLOTS']._serialized_end=1166
+  _globals['_GETPLACEMENTRESPONSE']._serialized_start=1169
+  _globals['_GETPLACEMENTRESPONSE']._serialized_end=1374
+  _globals['_EPLB']._serialized_start=1377
+  _globals['_EPLB']._serialized_end=1710
 # @@protoc_insertion_point(module_scope)

@@ -40,6 +40,21 @@ class EplbStub:
                 request_serializer=pdmesh__proto_dot_eplb_dot_v1_dot_eplb__pb2.StatusRequest.SerializeToString,
                 response_deserializer=pdmesh__proto_dot_eplb_dot_v1_dot_eplb__pb2.EplbStatus.FromString,
                 _registered_method=True)
+        self.Rebalance = channel.unary_unary(
+                '/pdmesh.eplb.v1.Eplb/Rebalance',
+                request_serializer=pdmesh__proto_dot_eplb_dot_v1_dot_eplb__pb2.RebalanceRequest.SerializeToString,
+                response_deserializer=pdmesh__proto_dot_eplb_dot_v1_dot_eplb__pb2.RebalanceResponse.FromString,
+                _registered_method=True)
+        self.SetEnabled = channel.unary_unary(
+                '/pdmesh.eplb.v1.Eplb/SetEnabled',
+                request_serializer=pdmesh__proto_dot_eplb_dot_v1_dot_eplb__pb2.SetEnabledRequest.SerializeToString,
+                response_deserializer=pdmesh__proto_dot_eplb_dot_v1_dot_eplb__pb2.SetEnabledResponse.FromString,
+                _registered_method=True)
+        self.GetPlacement = channel.unary_unary(
+                '/pdmesh.eplb.v1.Eplb/GetPlacement',
+                request_serializer=pdmesh__proto_dot_eplb_dot_v1_dot_eplb__pb2.GetPlacementRequest.SerializeToString,
+                response_deserializer=pdmesh__proto_dot_eplb_dot_v1_dot_eplb__pb2.GetPlacementResponse.FromString,
+                _registered_method=True)
 
 
 class EplbServicer:
@@ -47,7 +62,29 @@ class EplbServicer:
     """
 
     def Status(self, request, context):
-        """What the controller tracks and whether it is balancing.
+        """What the controller tracks: per (instance, model) the version, the ranks' versions, balancedness now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rebalance(self, request, context):
+        """Plan and publish the next placement of one (instance, model) now, ignoring the step interval and the
+        Off switch (a full load window and the minimum gain still apply unless forced).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetEnabled(self, request, context):
+        """The Off switch of one instance (all its models): periodic rebalances stop; manual ones still work.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetPlacement(self, request, context):
+        """One placement version (0: the current one) of an (instance, model), with the rebalance history.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -60,6 +97,21 @@ def add_EplbServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=pdmesh__proto_dot_eplb_dot_v1_dot_eplb__pb2.StatusRequest.FromString,
                     response_serializer=pdmesh__proto_dot_eplb_dot_v1_dot_eplb__pb2.EplbStatus.SerializeToString,
+            ),
+            'Rebalance': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rebalance,
+                    request_deserializer=pdmesh__proto_dot_eplb_dot_v1_dot_eplb__pb2.RebalanceRequest.FromString,
+                    response_serializer=pdmesh__proto_dot_eplb_dot_v1_dot_eplb__pb2.RebalanceResponse.SerializeToString,
+            ),
+            'SetEnabled': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetEnabled,
+                    request_deserializer=pdmesh__proto_dot_eplb_dot_v1_dot_eplb__pb2.SetEnabledRequest.FromString,
+                    response_serializer=pdmesh__proto_dot_eplb_dot_v1_dot_eplb__pb2.SetEnabledResponse.SerializeToString,
+            ),
+            'GetPlacement': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPlacement,
+                    request_deserializer=pdmesh__proto_dot_eplb_dot_v1_dot_eplb__pb2.GetPlacementRequest.FromString,
+                    response_serializer=pdmesh__proto_dot_eplb_dot_v1_dot_eplb__pb2.GetPlacementResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -90,6 +142,87 @@ class Eplb:
             '/pdmesh.eplb.v1.Eplb/Status',
             pdmesh__proto_dot_eplb_dot_v1_dot_eplb__pb2.StatusRequest.SerializeToString,
             pdmesh__proto_dot_eplb_dot_v1_dot_eplb__pb2.EplbStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rebalance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.eplb.v1.Eplb/Rebalance',
+            pdmesh__proto_dot_eplb_dot_v1_dot_eplb__pb2.RebalanceRequest.SerializeToString,
+            pdmesh__proto_dot_eplb_dot_v1_dot_eplb__pb2.RebalanceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetEnabled(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.eplb.v1.Eplb/SetEnabled',
+            pdmesh__proto_dot_eplb_dot_v1_dot_eplb__pb2.SetEnabledRequest.SerializeToString,
+            pdmesh__proto_dot_eplb_dot_v1_dot_eplb__pb2.SetEnabledResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPlacement(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.eplb.v1.Eplb/GetPlacement',
+            pdmesh__proto_dot_eplb_dot_v1_dot_eplb__pb2.GetPlacementRequest.SerializeToString,
+            pdmesh__proto_dot_eplb_dot_v1_dot_eplb__pb2.GetPlacementResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -46,6 +46,8 @@ class DEPOptions:
     dist_port: int = 0                   # the group's rendezvous port; 0: the supervisor picks one
     dp_sync: str = "recursive_doubling"  # the per-step all-reduce (pdmesh_engine.parallel.allreduce)
     num_redundant_experts: int = 0       # extra physical expert slots per MoE layer
+    eplb_report_s: float = 1.0           # a rank's EPLB agent reports loads this often; 0: no EPLB on the ranks
+    dist_host: str = ""                  # rank 0's address when ranks run on different hosts (one rank per pod)
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -59,6 +61,10 @@ class DEPOptions:
         check_dep_choices(self.dp_sync, self.num_redundant_experts, "--dp-sync", "--num-redundant-experts")
         if self.num_redundant_experts and self.size == 1:
             raise ValueError("--num-redundant-experts needs --dep > 1")
+        if self.dist_host and self.rank is None:
+            raise ValueError("--dist-host is for rank processes started one per host: it needs --dep-rank")
+        if not self.eplb_report_s >= 0:
+            raise ValueError(f"--eplb-report-s must be >= 0 (0: off), got {self.eplb_report_s}")
 
     @property
     def is_supervisor(self) -> bool:
@@ -80,27 +86,39 @@ def add_dep_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the per-step all-reduce that keeps the ranks in lockstep")
     g.add_argument("--dist-port", type=int, default=0, help="the ranks' rendezvous port (default: a free one)")
     g.add_argument("--dep-rank", type=int, default=None, help="run only this rank (set by the supervisor)")
+    g.add_argument("--eplb-report-s", type=float, default=1.0,
+                   help="each rank reports its expert loads to the EPLB controller (and picks up new placements)"
+                        " this often; 0: EPLB off on this instance")
+    g.add_argument("--dist-host", default="",
+                   help="rank 0's address, for ranks started one per host with --dep-rank (e.g. Kubernetes pods);"
+                        " each rank then keeps --port and --metrics-port as given")
 
 
 def dep_from_args(args: argparse.Namespace) -> DEPOptions:
-    return DEPOptions(args.dep, args.dep_rank, args.dist_port, args.dp_sync, args.num_redundant_experts)
+    return DEPOptions(args.dep, args.dep_rank, args.dist_port, args.dp_sync, args.num_redundant_experts,
+                      args.eplb_report_s, args.dist_host)
 
 
-def master_addr(host: str) -> str:
-    """Where the ranks meet: the bind host, loopback when that is a wildcard."""
+def master_addr(host: str, dist_host: str = "") -> str:
+    """Where the ranks meet: --dist-host (rank 0's address, ranks on several hosts), else the bind host,
+    loopback when that is a wildcard (all ranks on this host)."""
+    if dist_host:
+        return dist_host
     return "127.0.0.1" if host in WILDCARD_HOSTS else host
 
 
 def rank_common(common: CommonConfig, role: str, dep: DEPOptions) -> CommonConfig:
     """The service options of this process (pure): unchanged unless it is a DEP rank r, which gets port
-    BASE + r, metrics port + r and id `<id>-r<r>`. Without --port or --instance-id (a rank started by
+    BASE + r, metrics port + r and id `<id>-r<r>` (with --dist-host, one rank per host: only the id). Without --port or --instance-id (a rank started by
     hand) a rank takes any free port and the id ROLE-PORT."""
     if not dep.is_rank:
         return common
     rank = dep.rank
     base_id = common.instance_id or (f"{role}-{common.port}" if common.port else "")
-    return replace(common, port=common.port + rank if common.port else 0,
-                   instance_id=f"{base_id}-r{rank}" if base_id else "",
+    instance_id = f"{base_id}-r{rank}" if base_id else ""
+    if dep.dist_host:                    # one rank per host (a pod): its ports are the ones given
+        return replace(common, instance_id=instance_id)
+    return replace(common, port=common.port + rank if common.port else 0, instance_id=instance_id,
                    metrics_port=None if common.metrics_port is None else common.metrics_port + rank)
 
 

@@ -9,7 +9,7 @@ role, aborts everything in the engine and closes its clients (in that order).
 
 A DEP rank (`DEPOptions.is_rank`; its `common` comes from `dep_instance.rank_common`) first joins its
 instance's group, builds the engine with its share of the experts, registers as `<id>-r<rank>` with rank
-and dp_size, and also ends (raising `ServiceStopped`) when its engine loop ends on its own: another rank
+and dp_size, runs its EPLB agent (`worker.eplb_agent`, every --eplb-report-s; 0: none), and also ends (raising `ServiceStopped`) when its engine loop ends on its own: another rank
 stopped or the group broke.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import grpc
 
@@ -37,7 +37,11 @@ from pdmesh_service.registry import InstanceInfo, Registry, connect, stay_regist
 from pdmesh_service.worker.convert import heartbeat_stats
 from pdmesh_service.worker.dep_instance import DEPOptions, master_addr
 from pdmesh_service.worker.engine_loop import EngineLoop, EngineRole
+from pdmesh_service.worker.eplb_agent import EPLBAgentConfig, base_instance, run_eplb_agent
 from pdmesh_service.worker.metrics import WorkerMetrics
+
+if TYPE_CHECKING:
+    import redis.asyncio as aioredis
 
 log = get_logger(__name__)
 KVSTORE_DISCOVERY_S = 30.0
@@ -126,6 +130,9 @@ async def run_worker(spec: WorkerSpec, common: CommonConfig, model_dir: Path, en
                             model=Path(model_dir).resolve().name, ready=True)
         await stay_registered(stack, registry, lambda: _report(loop, info), common.heartbeat_s)
         await server.set_serving(True)
+        if dep is not None and dep.eplb_report_s > 0:
+            _start_eplb_agent(stack, loop, redis, EPLBAgentConfig(
+                common.deployment, base_instance(instance_id, rank, size), rank, size, dep.eplb_report_s))
         log.info("serving", role=spec.role, instance=instance_id, address=info.address, rank=rank, dp_size=size,
                  kv_blocks=engine.kv_layout.num_blocks)
         if ready is not None:
@@ -135,8 +142,21 @@ async def run_worker(spec: WorkerSpec, common: CommonConfig, model_dir: Path, en
 
 def _join_dep(common: CommonConfig, dep: DEPOptions) -> DEPContext:
     """Join the instance's group (blocks until every rank joined)."""
-    return init_dep(DEPConfig(dep.rank, dep.size, master_addr(common.host), dep.dist_port, dp_sync=dep.dp_sync,
+    master = master_addr(common.host, dep.dist_host)
+    return init_dep(DEPConfig(dep.rank, dep.size, master, dep.dist_port, dp_sync=dep.dp_sync,
                               num_redundant_experts=dep.num_redundant_experts))
+
+
+def _start_eplb_agent(stack: contextlib.AsyncExitStack, loop: EngineLoop, redis: aioredis.Redis,
+                      config: EPLBAgentConfig) -> None:
+    """Run the rank's EPLB agent (worker.eplb_agent) until `stack` closes (first: before Redis and the loop)."""
+    task = asyncio.ensure_future(run_eplb_agent(loop, redis, config))
+
+    async def stop() -> None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    stack.push_async_callback(stop)
 
 
 async def _until_stopped(loop: EngineLoop, instance_id: str, dep: bool) -> None:
