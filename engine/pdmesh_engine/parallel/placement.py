@@ -29,11 +29,13 @@ Legend: P_local slots on this rank, I expert width, D hidden, L target MoE layer
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -50,6 +52,7 @@ from pdmesh_engine.model.moe import (
 )
 
 TensorSource = Callable[[str], torch.Tensor]     # checkpoint tensor name -> tensor
+STAGING_NICE = 10                                # the staging thread's CPU priority offset (Linux threads)
 
 
 def expert_tensor_name(checkpoint_layer: int, logical: int, part: str) -> str:
@@ -65,17 +68,23 @@ def moe_layers_by_checkpoint_index(model: DeepseekV3ForCausalLM) -> list[tuple[i
 
 
 class CheckpointTensors:
-    """Reads single tensors by name from a safetensors checkpoint (header index built once)."""
+    """Reads single tensors by name from a safetensors checkpoint: the header index is built once and each
+    file is opened (memory-mapped) once, on first use, so one expert's read is a copy out of the page cache."""
 
     def __init__(self, model_dir: str | Path) -> None:
         self.files = tensor_names(model_dir)
+        self._handles: dict[Path, Any] = {}
+        self._lock = threading.Lock()
 
     def __call__(self, name: str) -> torch.Tensor:
         file = self.files.get(name)
         if file is None:
             raise CheckpointError(f"checkpoint has no tensor {name!r}")
         try:
-            with safe_open(str(file), framework="pt", device="cpu") as handle:
+            with self._lock:
+                handle = self._handles.get(file)
+                if handle is None:
+                    handle = self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
                 return handle.get_tensor(name)
         except (OSError, SafetensorError) as e:
             raise CheckpointError(f"{file}: cannot read {name!r} ({e})") from e
@@ -247,6 +256,7 @@ class PlacementStager:
         return [ExpertPlacement.from_slots([int(e) for e in row], num_logical) for row in rows]
 
     def _run(self, job: _Job) -> None:
+        _yield_to_the_forward()
         previous, job.previous = job.previous, None
         if previous is not None:
             previous.thread.join()
@@ -309,6 +319,15 @@ class PlacementStager:
                 in_memory[new[slot]] = (w13, w2, index)
         local_ids = torch.tensor([slot - start for slot in changed], dtype=torch.int64, device=moe.w13.device)
         return StagedLayer(moe, local_ids, w13, w2)
+
+
+def _yield_to_the_forward() -> None:
+    """Staging is background work: on Linux this thread takes a lower CPU priority than the step's threads,
+    so on few cores it runs in their idle time instead of stretching the steps it overlaps."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), STAGING_NICE)
+    except (AttributeError, OSError):      # not Linux, or not permitted: staging still works, just less politely
+        pass
 
 
 @contextlib.contextmanager
