@@ -1,9 +1,13 @@
-"""pdmesh: serve Mixture-of-Experts language models with prefill/decode disaggregation and wide expert parallelism.
+"""pdmesh: serve Mixture-of-Experts language models with prefill/decode disaggregation and wide
+expert parallelism.
 
 This umbrella package is the `pdmesh` command over the per-service distributions:
 
     cli/       `pdmesh up | serve ROLE | generate | model | client | bench | eplb`
-    launcher   `pdmesh up`: plan → start (private Redis, kvstore, eplb, prefill, decode, gateway) → watch → stop
-    tools/     development tools kept off the serving path: seeded checkpoints, tokenizer training, corpus
+    launcher   `pdmesh up`: plan → start (private Redis, kvstore, eplb, prefill, decode, gateway)
+               → watch → stop
+    tools/     development tools kept off the serving path: seeded checkpoints, tokenizer training,
+               corpus
 """
+
 __version__ = "0.1.0"

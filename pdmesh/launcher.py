@@ -1,12 +1,15 @@
-"""The local launcher behind `pdmesh up`: plan the mesh's processes, start them, watch them, stop them.
+"""The local launcher behind `pdmesh up`: plan the mesh's processes, start them, watch them, stop
+them.
 
 plan_mesh(MeshOptions) → [ServiceSpec] (pure: names, ports, argv) → Mesh.start(): Redis (embedded
-unless a URL is given) → kvstore → eplb → prefill and decode instances → gateway, each waited for through the
-standard gRPC health service (every rank of a DEP instance) → Mesh.stop(): SIGTERM in reverse order,
-SIGKILL after a grace period. Children also get SIGTERM if the launcher dies (PR_SET_PDEATHSIG), so no
-process is orphaned. A DEP instance (`--prefill-dep`/`--decode-dep` N > 1) is one `pdmesh serve ROLE --dep N`
-process that runs its N ranks on N consecutive ports (`ServiceSpec.addresses`).
+unless a URL is given) → kvstore → eplb → prefill and decode instances → gateway, each waited for
+through the standard gRPC health service (every rank of a DEP instance) → Mesh.stop(): SIGTERM in
+reverse order, SIGKILL after a grace period. Children also get SIGTERM if the launcher dies
+(PR_SET_PDEATHSIG), so no process is orphaned. A DEP instance (`--prefill-dep`/`--decode-dep` N > 1)
+is one `pdmesh serve ROLE --dep N` process that runs its N ranks on N consecutive ports
+(`ServiceSpec.addresses`).
 """
+
 from __future__ import annotations
 
 import os
@@ -35,14 +38,15 @@ class MeshOptions:
     redis_url: str | None = None
     deployment: str = "default"
     log_dir: Path = Path("pdmesh-logs")
-    worker_args: tuple[str, ...] = ()      # engine options passed to prefill and decode ranks
+    worker_args: tuple[str, ...] = ()  # engine options passed to prefill and decode ranks
     log_level: str = "INFO"
-    prefill_dep: int = 1                   # ranks per prefill instance (DEP)
-    decode_dep: int = 1                    # ranks per decode instance (DEP)
-    num_redundant_experts: int = 0         # extra expert slots per MoE layer of DEP instances
-    dp_sync: str | None = None             # DEP instances' per-step all-reduce (None: the default)
-    max_prefill_inflight: int | None = None   # gateway admission per prefill rank (None: the gateway's default)
-    eplb_args: tuple[str, ...] = ()        # options of the EPLB controller (`pdmesh serve eplb --help`)
+    prefill_dep: int = 1  # ranks per prefill instance (DEP)
+    decode_dep: int = 1  # ranks per decode instance (DEP)
+    num_redundant_experts: int = 0  # extra expert slots per MoE layer of DEP instances
+    dp_sync: str | None = None  # DEP instances' per-step all-reduce (None: the default)
+    # gateway admission per prefill rank (None: the gateway's default)
+    max_prefill_inflight: int | None = None
+    eplb_args: tuple[str, ...] = ()  # options of the EPLB controller (`pdmesh serve eplb --help`)
 
     def __post_init__(self) -> None:
         if self.mode not in ("disagg", "agg"):
@@ -50,9 +54,14 @@ class MeshOptions:
         if self.num_decode < 1:
             raise ValueError(f"--decode must be >= 1, got {self.num_decode}")
         if self.num_prefill < 0 or (self.mode == "disagg" and self.num_prefill < 1):
-            raise ValueError(f"--prefill must be >= 1 in disagg mode (>= 0 in agg), got {self.num_prefill}")
+            raise ValueError(
+                f"--prefill must be >= 1 in disagg mode (>= 0 in agg), got {self.num_prefill}"
+            )
         if self.prefill_dep < 1 or self.decode_dep < 1:
-            raise ValueError(f"--prefill-dep and --decode-dep must be >= 1, got {self.prefill_dep}, {self.decode_dep}")
+            raise ValueError(
+                f"--prefill-dep and --decode-dep must be >= 1, got {self.prefill_dep}, "
+                f"{self.decode_dep}"
+            )
         if self.num_redundant_experts and max(self.prefill_dep, self.decode_dep) == 1:
             raise ValueError("--num-redundant-experts needs --prefill-dep or --decode-dep > 1")
 
@@ -68,12 +77,13 @@ class MeshOptions:
 
 @dataclass(frozen=True)
 class ServiceSpec:
-    name: str                  # instance id, also the log file's name
+    name: str  # instance id, also the log file's name
     role: str
     grpc_address: str
     argv: tuple[str, ...]
     metrics_port: int | None = None
-    rank_addresses: tuple[str, ...] = ()   # a DEP instance: every rank's gRPC address (rank 0's is grpc_address)
+    # a DEP instance: every rank's gRPC address (rank 0's is grpc_address)
+    rank_addresses: tuple[str, ...] = ()
 
     @property
     def addresses(self) -> tuple[str, ...]:
@@ -81,37 +91,82 @@ class ServiceSpec:
         return self.rank_addresses or (self.grpc_address,)
 
 
-def plan_mesh(options: MeshOptions, redis_url: str, port_of=free_port, block_of=free_port_block) -> list[ServiceSpec]:
+def plan_mesh(
+    options: MeshOptions, redis_url: str, port_of=free_port, block_of=free_port_block
+) -> list[ServiceSpec]:
     """The processes of a mesh, in start order (pure apart from picking free ports)."""
     host = options.host
     base = (sys.executable, "-m", "pdmesh.cli.main", "serve")
 
     def common(role: str, name: str, port: int, metrics: int | None) -> tuple[str, ...]:
-        args = (*base, role, "--host", host, "--port", str(port), "--redis-url", redis_url,
-                "--deployment", options.deployment, "--instance-id", name, "--log-level", options.log_level)
+        args = (
+            *base,
+            role,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--redis-url",
+            redis_url,
+            "--deployment",
+            options.deployment,
+            "--instance-id",
+            name,
+            "--log-level",
+            options.log_level,
+        )
         return args + (("--metrics-port", str(metrics)) if metrics is not None else ())
 
     specs: list[ServiceSpec] = []
     kv_port, kv_metrics = port_of(host), port_of(host)
     kvstore = f"{host}:{kv_port}"
-    specs.append(ServiceSpec("kvstore-0", "kvstore", kvstore, common("kvstore", "kvstore-0", kv_port, kv_metrics),
-                             kv_metrics))
+    specs.append(
+        ServiceSpec(
+            "kvstore-0",
+            "kvstore",
+            kvstore,
+            common("kvstore", "kvstore-0", kv_port, kv_metrics),
+            kv_metrics,
+        )
+    )
     eplb_port, eplb_metrics = port_of(host), port_of(host)
-    specs.append(ServiceSpec("eplb-0", "eplb", f"{host}:{eplb_port}",
-                             common("eplb", "eplb-0", eplb_port, eplb_metrics) + options.eplb_args, eplb_metrics))
+    specs.append(
+        ServiceSpec(
+            "eplb-0",
+            "eplb",
+            f"{host}:{eplb_port}",
+            common("eplb", "eplb-0", eplb_port, eplb_metrics) + options.eplb_args,
+            eplb_metrics,
+        )
+    )
     num_prefill = options.num_prefill if options.mode == "disagg" else 0
     for role, count in (("prefill", num_prefill), ("decode", options.num_decode)):
         size = options.dep(role)
         for index in range(count):
             name = f"{role}-{index}"
-            port, metrics = (port_of(host), port_of(host)) if size == 1 else \
-                (block_of(host, size), block_of(host, size))
-            argv = common(role, name, port, metrics) + ("--model", str(options.model_dir), "--kvstore", kvstore,
-                                                        *options.worker_args, *_dep_argv(options, size))
+            port, metrics = (
+                (port_of(host), port_of(host))
+                if size == 1
+                else (block_of(host, size), block_of(host, size))
+            )
+            argv = common(role, name, port, metrics) + (
+                "--model",
+                str(options.model_dir),
+                "--kvstore",
+                kvstore,
+                *options.worker_args,
+                *_dep_argv(options, size),
+            )
             ranks = tuple(f"{host}:{port + r}" for r in range(size)) if size > 1 else ()
             specs.append(ServiceSpec(name, role, f"{host}:{port}", argv, metrics, ranks))
     gateway_argv = common("gateway", "gateway-0", options.grpc_port, None) + (
-        "--model", str(options.model_dir), "--http-port", str(options.http_port), "--mode", options.mode)
+        "--model",
+        str(options.model_dir),
+        "--http-port",
+        str(options.http_port),
+        "--mode",
+        options.mode,
+    )
     if options.max_prefill_inflight is not None:
         gateway_argv += ("--max-prefill-inflight", str(options.max_prefill_inflight))
     specs.append(ServiceSpec("gateway-0", "gateway", f"{host}:{options.grpc_port}", gateway_argv))
@@ -161,13 +216,19 @@ class Mesh:
     def _spawn(self, spec: ServiceSpec) -> None:
         log = open(self.options.log_dir / f"{spec.name}.log", "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.processes[spec.name] = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                                     stdin=subprocess.DEVNULL,
-                                                     preexec_fn=die_with_parent(signal.SIGTERM))
+        self.processes[spec.name] = subprocess.Popen(
+            spec.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=die_with_parent(signal.SIGTERM),
+        )
         log.close()
 
     def _wait_serving(self, spec: ServiceSpec, address: str, deadline: float) -> None:
-        """Until `address` (one of the service's ranks) reports SERVING; raises if the process exits."""
+        """Until `address` (one of the service's ranks) reports SERVING; raises if the process
+        exits."""
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -176,11 +237,15 @@ class Mesh:
             while True:
                 process = self.processes[spec.name]
                 if process.poll() is not None:
-                    raise RuntimeError(f"{spec.name} exited with code {process.returncode}; "
-                                       f"last log lines:\n{self.log_tail(spec.name)}")
+                    raise RuntimeError(
+                        f"{spec.name} exited with code {process.returncode}; "
+                        f"last log lines:\n{self.log_tail(spec.name)}"
+                    )
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{spec.name} ({address}) was not ready in time; last log lines:\n"
-                                       f"{self.log_tail(spec.name)}")
+                    raise TimeoutError(
+                        f"{spec.name} ({address}) was not ready in time; last log lines:\n"
+                        f"{self.log_tail(spec.name)}"
+                    )
                 try:
                     reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
                     if reply.status == health_pb2.HealthCheckResponse.SERVING:
@@ -200,7 +265,8 @@ class Mesh:
         return [name for name, p in self.processes.items() if p.poll() is not None]
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every service in reverse start order, SIGKILL what is left after the grace period."""
+        """SIGTERM every service in reverse start order, SIGKILL what is left after the grace
+        period."""
         for name in reversed(list(self.processes)):
             if self.processes[name].poll() is None:
                 self.processes[name].send_signal(signal.SIGTERM)

@@ -13,16 +13,16 @@ anything that is not a local distribution (grpcio, torch, ...) are third-party: 
 
 Standard library only (tomllib: Python >= 3.11), so it runs before any venv exists.
 """
+
 from __future__ import annotations
 
 import argparse
 import re
 import shlex
 import sys
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-
-import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ("gateway", "kvstore", "eplb", "prefill", "decode")
@@ -37,9 +37,9 @@ def normalize(name: str) -> str:
 
 @dataclass(frozen=True)
 class Requirement:
-    name: str                  # normalized
-    extras: tuple[str, ...]    # normalized, as written
-    text: str                  # the requirement as the pyproject spells it
+    name: str  # normalized
+    extras: tuple[str, ...]  # normalized, as written
+    text: str  # the requirement as the pyproject spells it
 
 
 def parse_requirement(text: str) -> Requirement:
@@ -53,16 +53,18 @@ def parse_requirement(text: str) -> Requirement:
 
 @dataclass(frozen=True)
 class Distribution:
-    name: str                                     # normalized project name
-    folder: str                                   # "/"-separated, from the root ("." for the root)
-    requires: tuple[Requirement, ...]             # [project] dependencies
-    extras: dict[str, tuple[Requirement, ...]]    # [project.optional-dependencies], normalized keys
+    name: str  # normalized project name
+    folder: str  # "/"-separated, from the root ("." for the root)
+    requires: tuple[Requirement, ...]  # [project] dependencies
+    extras: dict[str, tuple[Requirement, ...]]  # [project.optional-dependencies], normalized keys
 
 
 def read_distribution(root: Path, pyproject: Path) -> Distribution:
     project = tomllib.loads(pyproject.read_text())["project"]
-    extras = {normalize(k): tuple(parse_requirement(r) for r in v)
-              for k, v in project.get("optional-dependencies", {}).items()}
+    extras = {
+        normalize(k): tuple(parse_requirement(r) for r in v)
+        for k, v in project.get("optional-dependencies", {}).items()
+    }
     requires = tuple(parse_requirement(r) for r in project.get("dependencies", []))
     folder = pyproject.parent.relative_to(root).as_posix()
     return Distribution(normalize(project["name"]), folder, requires, extras)
@@ -70,8 +72,11 @@ def read_distribution(root: Path, pyproject: Path) -> Distribution:
 
 def discover(root: Path = ROOT) -> dict[str, Distribution]:
     """Every local distribution by normalized name: the root, top folders, services/ folders."""
-    paths = [root / "pyproject.toml", *sorted(root.glob("*/pyproject.toml")),
-             *sorted(root.glob("services/*/pyproject.toml"))]
+    paths = [
+        root / "pyproject.toml",
+        *sorted(root.glob("*/pyproject.toml")),
+        *sorted(root.glob("services/*/pyproject.toml")),
+    ]
     found: dict[str, Distribution] = {}
     for path in paths:
         if not path.is_file() or any(p.startswith(".") for p in path.relative_to(root).parts):
@@ -112,8 +117,9 @@ def _active_extras(dists: dict[str, Distribution], start: Distribution) -> dict[
                 if req.name not in dists:
                     continue
                 if unknown := set(req.extras) - set(dists[req.name].extras):
-                    raise ValueError(f"{dists[name].folder}: {req.text} names unknown extras "
-                                     f"{sorted(unknown)}")
+                    raise ValueError(
+                        f"{dists[name].folder}: {req.text} names unknown extras {sorted(unknown)}"
+                    )
                 if req.name not in active or not active[req.name].issuperset(req.extras):
                     active.setdefault(req.name, set()).update(req.extras)
                     changed = True
@@ -128,7 +134,7 @@ def closure(target: str, root: Path = ROOT) -> list[Distribution]:
     order: list[Distribution] = []
     visiting: set[str] = set()
 
-    def visit(name: str) -> None:       # depth-first post-order, requirements in declared order
+    def visit(name: str) -> None:  # depth-first post-order, requirements in declared order
         if any(d.name == name for d in order):
             return
         if name in visiting:
@@ -152,17 +158,22 @@ def third_party_requirements(target: str, root: Path = ROOT) -> list[Requirement
     """Requirements of the closure (extras resolved) that no local distribution satisfies."""
     dists = discover(root)
     active = _active_extras(dists, resolve(dists, target))
-    return [r for d in closure(target, root) for r in requirements_of(d, active[d.name])
-            if r.name not in dists]
+    return [
+        r
+        for d in closure(target, root)
+        for r in requirements_of(d, active[d.name])
+        if r.name not in dists
+    ]
 
 
 # ---- Dockerfiles --------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Instruction:
-    keyword: str      # upper case: FROM, COPY, RUN, ...
-    args: str         # the rest of the logical line, continuations joined
-    line: int         # 1-based line of its first physical line
+    keyword: str  # upper case: FROM, COPY, RUN, ...
+    args: str  # the rest of the logical line, continuations joined
+    line: int  # 1-based line of its first physical line
 
 
 def parse_dockerfile(text: str) -> list[Instruction]:
@@ -192,7 +203,7 @@ def final_stage(instructions: list[Instruction]) -> list[Instruction]:
     starts = [i for i, ins in enumerate(instructions) if ins.keyword == "FROM"]
     if not starts:
         raise ValueError("no FROM instruction")
-    return instructions[starts[-1]:]
+    return instructions[starts[-1] :]
 
 
 def copies(instructions: list[Instruction]) -> list[tuple[str, str]]:
@@ -221,7 +232,7 @@ def pip_installed_paths(instructions: list[Instruction]) -> list[str]:
         for i, token in enumerate(tokens[:-1]):
             if not (token.endswith("pip") and tokens[i + 1] == "install"):
                 continue
-            for arg in tokens[i + 2:]:
+            for arg in tokens[i + 2 :]:
                 if arg in _SHELL_OPERATORS:
                     break
                 if arg.startswith("./"):
@@ -251,11 +262,13 @@ def check_dockerfile(service: str, root: Path = ROOT) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("target", nargs="?",
-                        help="a service (decode), folder (services/decode) or project name")
+    parser.add_argument(
+        "target", nargs="?", help="a service (decode), folder (services/decode) or project name"
+    )
     parser.add_argument("--pip", action="store_true", help="print the folders as ./folder")
-    parser.add_argument("--check", action="store_true",
-                        help="check every service's Dockerfile against its closure")
+    parser.add_argument(
+        "--check", action="store_true", help="check every service's Dockerfile against its closure"
+    )
     args = parser.parse_args(argv)
     if args.check:
         problems = [p for service in SERVICES for p in check_dockerfile(service)]

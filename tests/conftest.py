@@ -1,14 +1,16 @@
-"""Shared test setup: the Triton interpreter switch and tiny random DeepSeek-V3 reference checkpoints.
+"""Shared test setup: the Triton interpreter switch and tiny random DeepSeek-V3 reference
+checkpoints.
 
 TRITON_INTERPRET=1 must be set before triton is first imported (`@triton.jit` reads it when a kernel
 is defined): the kernel tests run the Triton kernels on CPU tensors under the interpreter, and other
-test folders import `pdmesh_kernels` (and so triton) before tests/kernels is collected. Checks of the
-kernels on a real GPU are a separate script, run where a GPU is lent.
+test folders import `pdmesh_kernels` (and so triton) before tests/kernels is collected. Checks of
+the kernels on a real GPU are a separate script, run where a GPU is lent.
 
 `reference_models` builds, once per session, a few small random `transformers.DeepseekV3ForCausalLM`
 models that differ in every architectural knob the engine reads, saves each with
 `save_pretrained`, and hands back the directory together with the fp32 model (the reference).
 """
+
 from __future__ import annotations
 
 import os
@@ -19,13 +21,15 @@ from typing import Any
 import pytest
 
 os.environ["TRITON_INTERPRET"] = "1"
-# As the service entry does for loopback services: NIXL agents built in this process listen on loopback.
+# As the service entry does for loopback services: NIXL agents built in this process listen on
+# loopback.
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 
 @pytest.fixture(scope="session", autouse=True)
 def one_torch_thread():
-    """Test models are far too small for intra-op threads; on a busy 2-core machine they cost ~10x."""
+    """Test models are far too small for intra-op threads; on a busy 2-core machine they cost
+    ~10x."""
     import torch
 
     threads = torch.get_num_threads()
@@ -33,48 +37,118 @@ def one_torch_thread():
     yield
     torch.set_num_threads(threads)
 
-_COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-               max_position_embeddings=512, initializer_range=0.15, bos_token_id=0, eos_token_id=1)
+
+_COMMON = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    max_position_embeddings=512,
+    initializer_range=0.15,
+    bos_token_id=0,
+    eos_token_id=1,
+)
 
 # name -> DeepseekV3Config keyword arguments (on top of _COMMON).
 REFERENCE_CONFIGS: dict[str, dict[str, Any]] = {
     # q-LoRA, interleaved default rope, normalised top-k, one dense layer first.
-    "base": dict(num_hidden_layers=3, num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2,
-                 n_group=2, topk_group=1, first_k_dense_replace=1, n_shared_experts=1, q_lora_rank=32,
-                 kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-                 rope_interleave=True, norm_topk_prob=True, routed_scaling_factor=2.5),
-    # No q-LoRA, non-interleaved yarn rope with mscale != mscale_all_dim, all layers MoE, 2 shared experts.
-    "yarn_noqlora": dict(num_hidden_layers=2, num_attention_heads=4, n_routed_experts=16, num_experts_per_tok=4,
-                         n_group=4, topk_group=2, first_k_dense_replace=0, n_shared_experts=2, q_lora_rank=None,
-                         kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=8, v_head_dim=12,
-                         rope_interleave=False, norm_topk_prob=False, routed_scaling_factor=1.0,
-                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                          "original_max_position_embeddings": 128, "mscale": 0.707,
-                                          "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}),
+    "base": dict(
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        rope_interleave=True,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+    ),
+    # No q-LoRA, non-interleaved yarn rope with mscale != mscale_all_dim, all layers MoE, 2 shared
+    # experts.
+    "yarn_noqlora": dict(
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=0,
+        n_shared_experts=2,
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=8,
+        v_head_dim=12,
+        rope_interleave=False,
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "mscale": 0.707,
+            "mscale_all_dim": 1.0,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+    ),
     # Two dense layers first, interleaved yarn rope with mscale == mscale_all_dim, attention biases.
-    "yarn_dense2": dict(num_hidden_layers=4, num_attention_heads=2, n_routed_experts=6, num_experts_per_tok=3,
-                        n_group=3, topk_group=2, first_k_dense_replace=2, n_shared_experts=1, q_lora_rank=24,
-                        kv_lora_rank=24, qk_rope_head_dim=4, qk_nope_head_dim=12, v_head_dim=20,
-                        rope_interleave=True, norm_topk_prob=True, routed_scaling_factor=1.5, attention_bias=True,
-                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                         "original_max_position_embeddings": 128, "mscale": 1.0,
-                                         "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}),
+    "yarn_dense2": dict(
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        n_routed_experts=6,
+        num_experts_per_tok=3,
+        n_group=3,
+        topk_group=2,
+        first_k_dense_replace=2,
+        n_shared_experts=1,
+        q_lora_rank=24,
+        kv_lora_rank=24,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=12,
+        v_head_dim=20,
+        rope_interleave=True,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.5,
+        attention_bias=True,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+    ),
 }
 
 
 @dataclass(frozen=True)
 class ReferenceModel:
     name: str
-    path: Path          # a save_pretrained directory the engine loads
-    model: Any          # the fp32 transformers DeepseekV3ForCausalLM, in eval mode
+    path: Path  # a save_pretrained directory the engine loads
+    model: Any  # the fp32 transformers DeepseekV3ForCausalLM, in eval mode
 
     @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
 
-def build_reference_model(name: str, kwargs: dict[str, Any], directory: Path, seed: int) -> ReferenceModel:
-    """A seeded random model with spread-out routing and non-trivial norm weights and biases, saved to `directory`."""
+def build_reference_model(
+    name: str, kwargs: dict[str, Any], directory: Path, seed: int
+) -> ReferenceModel:
+    """A seeded random model with spread-out routing and non-trivial norm weights and biases, saved
+    to `directory`."""
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -85,7 +159,8 @@ def build_reference_model(name: str, kwargs: dict[str, Any], directory: Path, se
         for module_name, module in model.named_modules():
             if hasattr(module, "e_score_correction_bias"):
                 module.e_score_correction_bias.normal_(0.0, 0.05)
-            if module_name.endswith("norm"):          # RMSNorms: weights away from 1 so a misplaced norm shows
+            # RMSNorms: weights away from 1 so a misplaced norm shows
+            if module_name.endswith("norm"):
                 module.weight.normal_(1.0, 0.2)
             if getattr(module, "bias", None) is not None:
                 module.bias.normal_(0.0, 0.1)
@@ -97,5 +172,7 @@ def build_reference_model(name: str, kwargs: dict[str, Any], directory: Path, se
 def reference_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ReferenceModel]:
     pytest.importorskip("transformers")
     root = tmp_path_factory.mktemp("reference_models")
-    return {name: build_reference_model(name, kwargs, root / name, seed)
-            for seed, (name, kwargs) in enumerate(REFERENCE_CONFIGS.items())}
+    return {
+        name: build_reference_model(name, kwargs, root / name, seed)
+        for seed, (name, kwargs) in enumerate(REFERENCE_CONFIGS.items())
+    }

@@ -1,4 +1,6 @@
-"""The tree is the card's: one distribution per folder, import rules that hold, torch-free light services."""
+"""The tree is the card's: one distribution per folder, import rules that hold, torch-free light
+services."""
+
 from __future__ import annotations
 
 import shutil
@@ -10,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DISTRIBUTIONS = {                       # folder -> (distribution, import package)
+DISTRIBUTIONS = {  # folder -> (distribution, import package)
     "protos": ("pdmesh-proto", "pdmesh_proto"),
     "kernels": ("pdmesh-kernels", "pdmesh_kernels"),
     "engine": ("pdmesh-engine", "pdmesh_engine"),
@@ -32,13 +34,18 @@ def test_each_folder_is_a_distribution_of_its_own_package(folder: str) -> None:
     project = tomllib.loads((ROOT / folder / "pyproject.toml").read_text())["project"]
     assert project["name"] == name
     assert (ROOT / folder / package / "__init__.py").is_file()
-    assert not any("torch" in dep for dep in project.get("dependencies", [])
-                   if folder not in ("kernels",)), "torch only in kernels and the engine's [runtime] extra"
+    assert not any(
+        "torch" in dep for dep in project.get("dependencies", []) if folder not in ("kernels",)
+    ), "torch only in kernels and the engine's [runtime] extra"
 
 
 def test_setup_installs_every_distribution() -> None:
-    listed = subprocess.run(["bash", str(ROOT / "scripts" / "distributions.sh")], capture_output=True, text=True,
-                            check=True).stdout.split()
+    listed = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "distributions.sh")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     assert sorted(listed) == sorted(DISTRIBUTIONS)
 
 
@@ -59,9 +66,13 @@ def test_import_contracts_hold() -> None:
 
 @pytest.mark.parametrize("package", TORCH_FREE)
 def test_light_services_import_no_torch(package: str) -> None:
-    code = (f"import sys, importlib, pkgutil, {package}\n"
-            f"for m in pkgutil.walk_packages({package}.__path__, '{package}.'):\n"
-            "    if not m.name.endswith('__main__'): importlib.import_module(m.name)\n"
-            "print(sorted(m for m in ('torch', 'triton', 'nixl', 'safetensors') if m in sys.modules))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    code = (
+        f"import sys, importlib, pkgutil, {package}\n"
+        f"for m in pkgutil.walk_packages({package}.__path__, '{package}.'):\n"
+        "    if not m.name.endswith('__main__'): importlib.import_module(m.name)\n"
+        "print(sorted(m for m in ('torch', 'triton', 'nixl', 'safetensors') if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
     assert result.stdout.strip() == "[]", (package, result.stdout)

@@ -1,1 +1,2 @@
-"""Benchmarks behind `pdmesh bench ...`: each compares two things measured side by side in one run."""
+"""Benchmarks behind `pdmesh bench ...`: each compares two things measured side by side in one
+run."""

@@ -1,9 +1,10 @@
-"""`pdmesh bench engine`: offline throughput of the engine against transformers `generate`, side by side.
+"""`pdmesh bench engine`: offline throughput of the engine against transformers `generate`, side by
+side.
 
 For each concurrency c, in one process and one run: c random-token prompts of `--input-len` tokens
-(seeded, fresh per c and per round, so no prefix-cache hits), greedy, `--output-len` tokens each with
-EOS ignored. With `--rounds N` both sides run N times, alternating which goes first (a shared, noisy
-machine drifts), and the medians are reported.
+(seeded, fresh per c and per round, so no prefix-cache hits), greedy, `--output-len` tokens each
+with EOS ignored. With `--rounds N` both sides run N times, alternating which goes first (a shared,
+noisy machine drifts), and the medians are reported.
 
 - engine: `EngineCore`, all c requests added at once, stepped until done.
 - transformers: `DeepseekV3ForCausalLM.from_pretrained(model)` `generate` on the same prompts as one
@@ -25,6 +26,7 @@ submission to the last token; ratio = engine / transformers. Also per concurrenc
 Memory: peak RSS (`ru_maxrss`) for the whole process, which holds both models; RSS after loading
 each model is reported as well. `kv_bytes_per_token` is the engine's paged latent cache per token.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,28 +36,53 @@ import os
 import statistics
 import sys
 import time
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pdmesh_bench.machine import (DecodeCostModel, MachinePeaks, measure_peaks, roofline, rss_snapshot,
-                                  set_threads)
 from pdmesh.cli.options import resolve_model
-from pdmesh_service.worker.engine_options import add_engine_options, engine_config
+from pdmesh_bench.machine import (
+    DecodeCostModel,
+    MachinePeaks,
+    measure_peaks,
+    roofline,
+    rss_snapshot,
+    set_threads,
+)
 from pdmesh_engine.engine_core import EngineCore
 from pdmesh_engine.sampling import SamplingParams
 from pdmesh_engine.scheduler import SchedulerOutput
+from pdmesh_service.worker.engine_options import add_engine_options, engine_config
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("engine", help="engine vs transformers generate: output tokens/s per concurrency")
-    p.add_argument("--concurrency", default=None, help="comma-separated request counts (default 1,8,32; quick: 1,2)")
-    p.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 256; quick: 16)")
-    p.add_argument("--output-len", type=int, default=None, help="output tokens per request (default 128; quick: 4)")
+    p = sub.add_parser(
+        "engine", help="engine vs transformers generate: output tokens/s per concurrency"
+    )
+    p.add_argument(
+        "--concurrency",
+        default=None,
+        help="comma-separated request counts (default 1,8,32; quick: 1,2)",
+    )
+    p.add_argument(
+        "--input-len", type=int, default=None, help="prompt tokens (default 256; quick: 16)"
+    )
+    p.add_argument(
+        "--output-len",
+        type=int,
+        default=None,
+        help="output tokens per request (default 128; quick: 4)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rounds", type=int, default=1,
-                   help="runs of both sides per concurrency, alternating which goes first; medians are reported")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="runs of both sides per concurrency, alternating which goes first; medians are "
+        "reported",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     p.add_argument("--quick", action="store_true", help="tiny sizes, for smoke tests")
     add_engine_options(p)
@@ -63,16 +90,22 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _defaults(args: argparse.Namespace) -> list[int]:
-    for name, normal, small in (("concurrency", "1,8,32", "1,2"), ("input_len", 256, 16), ("output_len", 128, 4)):
+    for name, normal, small in (
+        ("concurrency", "1,8,32", "1,2"),
+        ("input_len", 256, 16),
+        ("output_len", 128, 4),
+    ):
         if getattr(args, name) is None:
             setattr(args, name, small if args.quick else normal)
     try:
         levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
     except ValueError as e:
-        raise ValueError(f"--concurrency must be comma-separated integers, got {args.concurrency!r}") from e
+        raise ValueError(
+            f"--concurrency must be comma-separated integers, got {args.concurrency!r}"
+        ) from e
     if not levels or min(levels) < 1 or min(args.input_len, args.output_len, args.rounds) < 1:
         raise ValueError("--concurrency, --input-len, --output-len and --rounds must be >= 1")
-    set_threads(args.torch_threads)   # before the machine peaks are measured
+    set_threads(args.torch_threads)  # before the machine peaks are measured
     return levels
 
 
@@ -95,7 +128,8 @@ class StepRecorder:
         return self._last
 
     def step(self) -> list:
-        self.engine.scheduler.schedule = self._recording_schedule   # instance attribute shadows the method
+        # instance attribute shadows the method
+        self.engine.scheduler.schedule = self._recording_schedule
         try:
             start = time.perf_counter()
             outputs = self.engine.step()
@@ -108,8 +142,11 @@ class StepRecorder:
 
     def decode_steps(self) -> list[tuple[float, list[int]]]:
         """(seconds, context of each sequence) of the steps that ran only single-token decodes."""
-        return [(sec, [s.start_position + 1 for s in out.scheduled]) for sec, out in self.steps
-                if out.scheduled and all(len(s.token_ids) == 1 for s in out.scheduled)]
+        return [
+            (sec, [s.start_position + 1 for s in out.scheduled])
+            for sec, out in self.steps
+            if out.scheduled and all(len(s.token_ids) == 1 for s in out.scheduled)
+        ]
 
 
 def run_engine(engine: EngineCore, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
@@ -125,10 +162,14 @@ def run_engine(engine: EngineCore, prompts: list[list[int]], output_len: int) ->
             first_token_at.setdefault(out.request_id, time.perf_counter() - start)
     elapsed = time.perf_counter() - start
     decodes = recorder.decode_steps()
-    return {"seconds": elapsed, "tokens": [tokens[rid] for rid in ids],
-            "prefill_s": max(first_token_at.values(), default=0.0), "steps": len(recorder.steps),
-            "decode_steps": decodes,
-            "decode_step_ms": statistics.median(s for s, _ in decodes) * 1e3 if decodes else None}
+    return {
+        "seconds": elapsed,
+        "tokens": [tokens[rid] for rid in ids],
+        "prefill_s": max(first_token_at.values(), default=0.0),
+        "steps": len(recorder.steps),
+        "decode_steps": decodes,
+        "decode_step_ms": statistics.median(s for s, _ in decodes) * 1e3 if decodes else None,
+    }
 
 
 # ----- transformers -----
@@ -142,7 +183,8 @@ def load_hf(model_dir: Path, dtype: torch.dtype) -> Any:
 
 
 def run_hf(model: Any, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
-    """One batched `generate`; forward hooks time the prefill and the interval between decode steps."""
+    """One batched `generate`; forward hooks time the prefill and the interval between decode
+    steps."""
     starts: list[float] = []
     ends: list[float] = []
     pre = model.register_forward_pre_hook(lambda *_: starts.append(time.perf_counter()))
@@ -153,16 +195,25 @@ def run_hf(model: Any, prompts: list[list[int]], output_len: int) -> dict[str, A
     try:
         with torch.inference_mode():
             start = time.perf_counter()
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=output_len, min_new_tokens=output_len, pad_token_id=pad)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=output_len,
+                min_new_tokens=output_len,
+                pad_token_id=pad,
+            )
             elapsed = time.perf_counter() - start
     finally:
         pre.remove()
         post.remove()
-    intervals = [b - a for a, b in zip(starts[1:], starts[2:])]
-    return {"seconds": elapsed, "tokens": out[:, ids.shape[1]:].tolist(),
-            "prefill_s": (ends[0] - start) if ends else None,
-            "decode_step_ms": statistics.median(intervals) * 1e3 if intervals else None}
+    intervals = [b - a for a, b in pairwise(starts[1:])]
+    return {
+        "seconds": elapsed,
+        "tokens": out[:, ids.shape[1] :].tolist(),
+        "prefill_s": (ends[0] - start) if ends else None,
+        "decode_step_ms": statistics.median(intervals) * 1e3 if intervals else None,
+    }
 
 
 # ----- the run -----
@@ -171,12 +222,17 @@ def make_prompts(vocab: int, count: int, length: int, seed: int) -> list[list[in
     return torch.randint(0, vocab, (count, length), generator=gen).tolist()
 
 
-def _rounds(c: int, args: argparse.Namespace, engine: EngineCore, hf: Any) -> tuple[list[dict], list[dict]]:
-    """Both sides `args.rounds` times on fresh prompts each round (no prefix hits), alternating who goes first."""
+def _rounds(
+    c: int, args: argparse.Namespace, engine: EngineCore, hf: Any
+) -> tuple[list[dict], list[dict]]:
+    """Both sides `args.rounds` times on fresh prompts each round (no prefix hits), alternating who
+    goes first."""
     ours: list[dict] = []
     theirs: list[dict] = []
     for r in range(args.rounds):
-        prompts = make_prompts(engine.model_config.vocab_size, c, args.input_len, (args.seed * 1000 + c) * 100 + r)
+        prompts = make_prompts(
+            engine.model_config.vocab_size, c, args.input_len, (args.seed * 1000 + c) * 100 + r
+        )
         for side in ("engine", "hf") if r % 2 == 0 else ("hf", "engine"):
             _log(f"concurrency {c}, round {r + 1}/{args.rounds}: {side} ...")
             if side == "engine":
@@ -193,26 +249,48 @@ def _median(runs: list[dict], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def compare(c: int, args: argparse.Namespace, engine: EngineCore, hf: Any, cost: DecodeCostModel,
-            peaks: MachinePeaks) -> dict[str, Any]:
-    """One row of the results: medians over the rounds (ratio = engine tokens/s / transformers tokens/s)."""
+def compare(
+    c: int,
+    args: argparse.Namespace,
+    engine: EngineCore,
+    hf: Any,
+    cost: DecodeCostModel,
+    peaks: MachinePeaks,
+) -> dict[str, Any]:
+    """One row of the results: medians over the rounds (ratio = engine tokens/s / transformers
+    tokens/s)."""
     ours, theirs = _rounds(c, args, engine, hf)
     out_tokens = c * args.output_len
-    engine_tps, hf_tps = out_tokens / _median(ours, "seconds"), out_tokens / _median(theirs, "seconds")
-    match = sum(a == b for a, b in zip(ours[0]["tokens"], theirs[0]["tokens"]))
+    engine_tps, hf_tps = (
+        out_tokens / _median(ours, "seconds"),
+        out_tokens / _median(theirs, "seconds"),
+    )
+    match = sum(a == b for a, b in zip(ours[0]["tokens"], theirs[0]["tokens"], strict=True))
     decode_steps = [step for run in ours for step in run["decode_steps"]]
-    return {"concurrency": c, "engine_tokens_per_s": engine_tps, "hf_tokens_per_s": hf_tps,
-            "ratio": engine_tps / hf_tps, "output_tokens": out_tokens, "rounds": args.rounds,
-            "engine_seconds": [run["seconds"] for run in ours], "hf_seconds": [run["seconds"] for run in theirs],
-            "engine_prefill_s": _median(ours, "prefill_s"), "hf_prefill_s": _median(theirs, "prefill_s"),
-            "engine_decode_step_ms_median": _median(ours, "decode_step_ms"),
-            "hf_decode_step_ms_median": _median(theirs, "decode_step_ms"),
-            "engine_steps": ours[0]["steps"], "engine_decode_only_steps": len(ours[0]["decode_steps"]),
-            "outputs_match": match, "roofline": roofline(cost, decode_steps, peaks)}
+    return {
+        "concurrency": c,
+        "engine_tokens_per_s": engine_tps,
+        "hf_tokens_per_s": hf_tps,
+        "ratio": engine_tps / hf_tps,
+        "output_tokens": out_tokens,
+        "rounds": args.rounds,
+        "engine_seconds": [run["seconds"] for run in ours],
+        "hf_seconds": [run["seconds"] for run in theirs],
+        "engine_prefill_s": _median(ours, "prefill_s"),
+        "hf_prefill_s": _median(theirs, "prefill_s"),
+        "engine_decode_step_ms_median": _median(ours, "decode_step_ms"),
+        "hf_decode_step_ms_median": _median(theirs, "decode_step_ms"),
+        "engine_steps": ours[0]["steps"],
+        "engine_decode_only_steps": len(ours[0]["decode_steps"]),
+        "outputs_match": match,
+        "roofline": roofline(cost, decode_steps, peaks),
+    }
 
 
 def warm_up(engine: EngineCore, hf: Any, args: argparse.Namespace) -> None:
-    prompts = make_prompts(engine.model_config.vocab_size, 2, min(args.input_len, 32), args.seed + 999_983)
+    prompts = make_prompts(
+        engine.model_config.vocab_size, 2, min(args.input_len, 32), args.seed + 999_983
+    )
     run_engine(engine, prompts, 4)
     if hf is not None:
         run_hf(hf, prompts, 4)
@@ -225,7 +303,9 @@ def run(args: argparse.Namespace) -> int:
     _log(f"measuring machine peaks (threads={torch.get_num_threads()})")
     peaks = measure_peaks(args.quick)
     config = engine_config(args)
-    config = dataclasses.replace(config, max_num_seqs=max(config.max_num_seqs, max(levels)), seed=args.seed)
+    config = dataclasses.replace(
+        config, max_num_seqs=max(config.max_num_seqs, max(levels)), seed=args.seed
+    )
     _log(f"loading the engine from {model_dir}")
     engine = EngineCore(model_dir, config)
     memory = {"after_engine_load": rss_snapshot()}
@@ -238,13 +318,23 @@ def run(args: argparse.Namespace) -> int:
     results = [compare(c, args, engine, hf, cost, peaks) for c in levels]
     load_avg.append(os.getloadavg()[0])
     memory["peak_rss_bytes"] = rss_snapshot()["peak_rss_bytes"]
-    report = {"results": results, "model": str(model_dir), "input_len": args.input_len,
-              "output_len": args.output_len, "seed": args.seed, "rounds": args.rounds,
-              "dtype": str(engine.runner.dtype).removeprefix("torch."),
-              "device": str(engine.runner.device), "threads": torch.get_num_threads(),
-              "load_average_1min": load_avg, "machine": peaks.to_dict(), "memory": memory,
-              "kv_bytes_per_token": engine.runner.kv_layout.bytes_per_token, "cost_model": cost.to_dict(),
-              "hf": _hf_info(hf)}
+    report = {
+        "results": results,
+        "model": str(model_dir),
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "seed": args.seed,
+        "rounds": args.rounds,
+        "dtype": str(engine.runner.dtype).removeprefix("torch."),
+        "device": str(engine.runner.device),
+        "threads": torch.get_num_threads(),
+        "load_average_1min": load_avg,
+        "machine": peaks.to_dict(),
+        "memory": memory,
+        "kv_bytes_per_token": engine.runner.kv_layout.bytes_per_token,
+        "cost_model": cost.to_dict(),
+        "hf": _hf_info(hf),
+    }
     print_table(report)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -254,9 +344,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _hf_info(hf: Any) -> dict[str, Any]:
     import transformers
-    return {"transformers_version": transformers.__version__,
-            "experts_implementation": getattr(hf.config, "_experts_implementation", None),
-            "attn_implementation": getattr(hf.config, "_attn_implementation", None)}
+
+    return {
+        "transformers_version": transformers.__version__,
+        "experts_implementation": getattr(hf.config, "_experts_implementation", None),
+        "attn_implementation": getattr(hf.config, "_attn_implementation", None),
+    }
 
 
 def _ms(value: float | None) -> str:
@@ -265,21 +358,37 @@ def _ms(value: float | None) -> str:
 
 def print_table(report: dict[str, Any]) -> None:
     m, mem = report["machine"], report["memory"]
-    print(f"engine vs transformers: input {report['input_len']}, output {report['output_len']}, "
-          f"{report['dtype']} on {report['device']}, {report['threads']} threads, "
-          f"load average {report['load_average_1min'][0]:.1f} -> {report['load_average_1min'][1]:.1f}")
-    print(f"machine: {m['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s fp32 matmul, "
-          f"{m['memory_bytes_per_s'] / 1e9:.1f} GB/s memory; KV {report['kv_bytes_per_token']} bytes/token")
-    print(f"RSS after engine load {mem['after_engine_load']['rss_bytes'] / 2**20:.0f} MiB, after transformers "
-          f"load {mem['after_hf_load']['rss_bytes'] / 2**20:.0f} MiB, peak {mem['peak_rss_bytes'] / 2**20:.0f} MiB")
-    head = (f"{'conc':>5} {'engine tok/s':>13} {'hf tok/s':>10} {'ratio':>7} {'eng prefill s':>14} "
-            f"{'hf prefill s':>13} {'eng step ms':>12} {'hf step ms':>11} {'%FLOP':>7} {'%BW':>6} {'match':>6}")
+    print(
+        f"engine vs transformers: input {report['input_len']}, output {report['output_len']}, "
+        f"{report['dtype']} on {report['device']}, {report['threads']} threads, "
+        f"load average {report['load_average_1min'][0]:.1f} -> {report['load_average_1min'][1]:.1f}"
+    )
+    print(
+        f"machine: {m['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s fp32 matmul, "
+        f"{m['memory_bytes_per_s'] / 1e9:.1f} GB/s memory; KV {report['kv_bytes_per_token']} "
+        "bytes/token"
+    )
+    print(
+        f"RSS after engine load {mem['after_engine_load']['rss_bytes'] / 2**20:.0f} MiB, after "
+        "transformers "
+        f"load {mem['after_hf_load']['rss_bytes'] / 2**20:.0f} MiB, peak "
+        f"{mem['peak_rss_bytes'] / 2**20:.0f} MiB"
+    )
+    head = (
+        f"{'conc':>5} {'engine tok/s':>13} {'hf tok/s':>10} {'ratio':>7} {'eng prefill s':>14} "
+        f"{'hf prefill s':>13} {'eng step ms':>12} {'hf step ms':>11} {'%FLOP':>7} {'%BW':>6} "
+        f"{'match':>6}"
+    )
     print(head)
     for r in report["results"]:
         roof = r["roofline"]
         flop = f"{100 * roof['flops_fraction_of_peak']:.2f}" if roof else "-"
         bw = f"{100 * roof['bandwidth_fraction_of_peak']:.1f}" if roof else "-"
-        print(f"{r['concurrency']:>5} {r['engine_tokens_per_s']:>13.1f} {r['hf_tokens_per_s']:>10.1f} "
-              f"{r['ratio']:>6.2f}x {r['engine_prefill_s']:>14.2f} {r['hf_prefill_s'] or 0:>13.2f} "
-              f"{_ms(r['engine_decode_step_ms_median']):>12} {_ms(r['hf_decode_step_ms_median']):>11} "
-              f"{flop:>7} {bw:>6} {r['outputs_match']:>3}/{r['concurrency']}")
+        print(
+            f"{r['concurrency']:>5} {r['engine_tokens_per_s']:>13.1f} "
+            f"{r['hf_tokens_per_s']:>10.1f} "
+            f"{r['ratio']:>6.2f}x {r['engine_prefill_s']:>14.2f} {r['hf_prefill_s'] or 0:>13.2f} "
+            f"{_ms(r['engine_decode_step_ms_median']):>12} "
+            f"{_ms(r['hf_decode_step_ms_median']):>11} "
+            f"{flop:>7} {bw:>6} {r['outputs_match']:>3}/{r['concurrency']}"
+        )

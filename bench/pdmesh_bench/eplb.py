@@ -21,6 +21,7 @@ JSON: {"results": [{"loads", "planner" ("ours" | "baseline"), "window_balancedne
 "moved_fraction_per_rebalance", "next_window_balancedness", "colocated_replicas", "plan_ms",
 "step_balancedness"}], "simulation": `evaluate`'s full report, "notes": [...], "config": {...}}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,29 +34,43 @@ from typing import Any, NoReturn
 from pdmesh_bench.eplb_live import add_live_arguments, run_live
 
 PLANNERS = ("ours", "baseline")
-OFFLINE_STEPS = 5           # --steps of the offline mode: rebalances along each drift chain
+OFFLINE_STEPS = 5  # --steps of the offline mode: rebalances along each drift chain
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--loads", type=Path, nargs="+", default=None,
-                   help='offline: expert-load files, JSON {"logical_count": [[tokens] * E] * L}')
+    p.add_argument(
+        "--loads",
+        type=Path,
+        nargs="+",
+        default=None,
+        help='offline: expert-load files, JSON {"logical_count": [[tokens] * E] * L}',
+    )
     p.add_argument("--ranks", type=int, default=32, help="expert-parallel ranks R")
     p.add_argument("--redundant", type=int, default=32, help="redundant slots S per layer")
     p.add_argument("--nodes", type=int, default=1, help="nodes N (R / N ranks each)")
-    p.add_argument("--steps", type=int, default=None,
-                   help=f"offline: rebalances along each drift chain ({OFFLINE_STEPS}); "
-                        "live: timed decode steps per phase (40)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"offline: rebalances along each drift chain ({OFFLINE_STEPS}); "
+        "live: timed decode steps per phase (40)",
+    )
     p.add_argument("--noise", type=float, default=0.2, help="drift per window, +- fraction")
-    p.add_argument("--move-budget", type=float, default=0.2,
-                   help="our max fraction of slots moved per layer and rebalance")
+    p.add_argument(
+        "--move-budget",
+        type=float,
+        default=0.2,
+        help="our max fraction of slots moved per layer and rebalance",
+    )
     p.add_argument("--top-k", type=int, default=8, help="experts per token in sampled steps")
     p.add_argument("--tokens", type=int, default=4096, help="tokens per sampled step")
     p.add_argument("--step-samples", type=int, default=4, help="sampled steps per plan (0: skip)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--dep", type=int, default=None, help="live: DEP ranks of the decode instance")
-    p.add_argument("--model", type=Path, default=None,
-                   help="live: model directory (a skewed checkpoint)")
+    p.add_argument(
+        "--model", type=Path, default=None, help="live: model directory (a skewed checkpoint)"
+    )
     add_live_arguments(p)
 
 
@@ -67,32 +82,47 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def rows_of(result: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per planner from one `evaluate` result (see the module docstring for the fields)."""
-    rounds = result["drift"]["rounds"]           # >= 1: run() requires --steps >= 1
+    rounds = result["drift"]["rounds"]  # >= 1: run() requires --steps >= 1
     step = result["per_step"] or {}
-    plan_ms = {"ours": {"scratch": result["plan_ms"]["ours_scratch"],
-                        "rebalance_median": statistics.median(result["drift"]["plan_ms_previous"])},
-               "baseline": {"scratch": result["plan_ms"]["baseline"]}}
-    return [{"loads": result["name"], "planner": name,
-             "window_balancedness": result["window"][name],
-             "moved_fraction_per_rebalance": statistics.fmean(r[f"moved_{name}"] for r in rounds),
-             "next_window_balancedness": statistics.fmean(r[f"following_{name}"] for r in rounds),
-             "colocated_replicas": result["colocated"][name],
-             "plan_ms": plan_ms[name],
-             "step_balancedness": step.get(name)} for name in PLANNERS]     # None: no sampled steps
+    plan_ms = {
+        "ours": {
+            "scratch": result["plan_ms"]["ours_scratch"],
+            "rebalance_median": statistics.median(result["drift"]["plan_ms_previous"]),
+        },
+        "baseline": {"scratch": result["plan_ms"]["baseline"]},
+    }
+    return [
+        {
+            "loads": result["name"],
+            "planner": name,
+            "window_balancedness": result["window"][name],
+            "moved_fraction_per_rebalance": statistics.fmean(r[f"moved_{name}"] for r in rounds),
+            "next_window_balancedness": statistics.fmean(r[f"following_{name}"] for r in rounds),
+            "colocated_replicas": result["colocated"][name],
+            "plan_ms": plan_ms[name],
+            "step_balancedness": step.get(name),
+        }
+        for name in PLANNERS
+    ]  # None: no sampled steps
 
 
 def format_table(rows: list[dict[str, Any]], noise: float) -> str:
     """Side by side per loads file: one line per measure, one column per planner."""
     lines: list[str] = []
     for i in range(0, len(rows), len(PLANNERS)):
-        ours, base = rows[i:i + len(PLANNERS)]
+        ours, base = rows[i : i + len(PLANNERS)]
         lines += [f"{ours['loads']}", f"  {'':<36} {'ours':>16} {'from scratch':>16}"]
-        cells = [("window balancedness", "{:.4f}", "window_balancedness"),
-                 (f"moved per rebalance (+-{noise:.0%} drift)", "{:.1%}",
-                  "moved_fraction_per_rebalance"),
-                 ("next-window balancedness", "{:.4f}", "next_window_balancedness"),
-                 ("co-located replicas", "{}", "colocated_replicas"),
-                 ("per-step balancedness (sampled)", "{:.4f}", "step_balancedness")]
+        cells = [
+            ("window balancedness", "{:.4f}", "window_balancedness"),
+            (
+                f"moved per rebalance (+-{noise:.0%} drift)",
+                "{:.1%}",
+                "moved_fraction_per_rebalance",
+            ),
+            ("next-window balancedness", "{:.4f}", "next_window_balancedness"),
+            ("co-located replicas", "{}", "colocated_replicas"),
+            ("per-step balancedness (sampled)", "{:.4f}", "step_balancedness"),
+        ]
         for label, fmt, key in cells:
             a, b = ("-" if r[key] is None else fmt.format(r[key]) for r in (ours, base))
             lines.append(f"  {label:<36} {a:>16} {b:>16}")
@@ -103,11 +133,13 @@ def format_table(rows: list[dict[str, Any]], noise: float) -> str:
 
 
 def _notes(args: argparse.Namespace) -> list[str]:
-    return ["window: a fresh plan on the file's window; moved and next-window: mean over the "
-            f"drift chain's {args.steps} rebalances (ours from its previous plan, at most "
-            f"{args.move_budget:.0%} of slots per layer; the baseline from scratch)",
-            "balancedness = mean rank load / max rank load, averaged over MoE layers (1 = even)",
-            "baseline: greedy EPLB in the style of DeepSeek's public one (may co-locate replicas)"]
+    return [
+        "window: a fresh plan on the file's window; moved and next-window: mean over the "
+        f"drift chain's {args.steps} rebalances (ours from its previous plan, at most "
+        f"{args.move_budget:.0%} of slots per layer; the baseline from scratch)",
+        "balancedness = mean rank load / max rank load, averaged over MoE layers (1 = even)",
+        "baseline: greedy EPLB in the style of DeepSeek's public one (may co-locate replicas)",
+    ]
 
 
 def _usage_error(message: str) -> NoReturn:
@@ -130,18 +162,31 @@ def run(args: argparse.Namespace) -> int:
     args = argparse.Namespace(**{**vars(args), "steps": steps})
     if args.steps < 1 or args.step_samples < 0:
         raise ValueError("--steps must be >= 1 and --step-samples >= 0")
-    report = evaluate([str(p) for p in args.loads], args.ranks, args.redundant,
-                      num_nodes=args.nodes, steps=args.steps, noise=args.noise,
-                      move_budget=args.move_budget, tokens_per_step=args.tokens, top_k=args.top_k,
-                      num_step_samples=args.step_samples, seed=args.seed)
+    report = evaluate(
+        [str(p) for p in args.loads],
+        args.ranks,
+        args.redundant,
+        num_nodes=args.nodes,
+        steps=args.steps,
+        noise=args.noise,
+        move_budget=args.move_budget,
+        tokens_per_step=args.tokens,
+        top_k=args.top_k,
+        num_step_samples=args.step_samples,
+        seed=args.seed,
+    )
     rows = [row for result in report["results"] for row in rows_of(result)]
     notes = _notes(args)
     print(format_table(rows, args.noise))
     for note in notes:
         print(f"# {note}")
     if args.json is not None:
-        out = {"results": rows, "simulation": report, "notes": notes,
-               "config": {**report["config"], "loads": [str(p) for p in args.loads]}}
+        out = {
+            "results": rows,
+            "simulation": report,
+            "notes": notes,
+            "config": {**report["config"], "loads": [str(p) for p in args.loads]},
+        }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0

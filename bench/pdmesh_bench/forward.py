@@ -1,4 +1,5 @@
-"""`pdmesh bench forward`: time one exact forward batch of the engine's model (as `vllm bench forward`).
+"""`pdmesh bench forward`: time one exact forward batch of the engine's model (as `vllm bench
+forward`).
 
 - prefill: B sequences of C new tokens each, in one `ForwardBatch` (positions 0..C-1).
 - decode:  B sequences that each already hold C tokens in the KV cache, plus one new token each.
@@ -11,8 +12,10 @@ One timed forward = `model(batch, kv_caches)` plus `compute_logits` on the B sam
 step computes before sampling). Reported: median and p90 ms over `--repeats` after `--warmup`,
 tokens/s at the median, the decode cost model's FLOP/s and bytes/s against the machine's measured
 peaks (decode only, see `pdmesh_bench.machine`), and with `--profile` the top 15 ops by self CPU
-time from `torch.profiler` plus inclusive time per module kind (attention, MoE, ...) and per kernel call.
+time from `torch.profiler` plus inclusive time per module kind (attention, MoE, ...) and per kernel
+call.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,33 +23,56 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from pdmesh_bench.machine import (DecodeCostModel, measure_peaks, percentile, roofline, rss_snapshot, time_calls,
-                                  set_threads)
 from pdmesh.cli.options import resolve_model
-from pdmesh_service.worker.engine_options import add_engine_options, engine_config
+from pdmesh_bench.machine import (
+    DecodeCostModel,
+    measure_peaks,
+    percentile,
+    roofline,
+    rss_snapshot,
+    set_threads,
+    time_calls,
+)
 from pdmesh_engine.config import ModelConfig
 from pdmesh_engine.forward_batch import ForwardBatch
 from pdmesh_engine.model_runner import ModelRunner
+from pdmesh_service.worker.engine_options import add_engine_options, engine_config
 
 PROFILE_ROWS = 15
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("forward", help="time one forward batch (prefill or decode) of the engine's model")
+    p = sub.add_parser(
+        "forward", help="time one forward batch (prefill or decode) of the engine's model"
+    )
     p.add_argument("--phase", choices=["prefill", "decode"], default="decode")
-    p.add_argument("--batch", type=int, default=None, help="sequences in the batch (default 32; quick: 2)")
-    p.add_argument("--context", type=int, default=None,
-                   help="prefill: new tokens per sequence; decode: tokens already cached (default 384; quick: 16)")
-    p.add_argument("--repeats", type=int, default=None, help="timed forwards (default 20; quick: 3)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed forwards first (default 3; quick: 1)")
+    p.add_argument(
+        "--batch", type=int, default=None, help="sequences in the batch (default 32; quick: 2)"
+    )
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="prefill: new tokens per sequence; decode: tokens already cached (default 384; quick: "
+        "16)",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=None, help="timed forwards (default 20; quick: 3)"
+    )
+    p.add_argument(
+        "--warmup", type=int, default=None, help="untimed forwards first (default 3; quick: 1)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
-    p.add_argument("--profile", action="store_true", help="print the top ops (torch.profiler) and module times")
+    p.add_argument(
+        "--profile", action="store_true", help="print the top ops (torch.profiler) and module times"
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes, for smoke tests")
     add_engine_options(p)
     p.set_defaults(run=run)
@@ -54,12 +80,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _defaults(args: argparse.Namespace) -> None:
     quick = args.quick
-    for name, normal, small in (("batch", 32, 2), ("context", 384, 16), ("repeats", 20, 3), ("warmup", 3, 1)):
+    for name, normal, small in (
+        ("batch", 32, 2),
+        ("context", 384, 16),
+        ("repeats", 20, 3),
+        ("warmup", 3, 1),
+    ):
         if getattr(args, name) is None:
             setattr(args, name, small if quick else normal)
     if args.batch < 1 or args.context < 1 or args.repeats < 1 or args.warmup < 0:
         raise ValueError("--batch, --context and --repeats must be >= 1, --warmup >= 0")
-    set_threads(args.torch_threads)   # before the machine peaks are measured
+    set_threads(args.torch_threads)  # before the machine peaks are measured
 
 
 def build_runner(model_dir: Path, args: argparse.Namespace) -> tuple[ModelRunner, int]:
@@ -67,16 +98,26 @@ def build_runner(model_dir: Path, args: argparse.Namespace) -> tuple[ModelRunner
     config = engine_config(args)
     blocks_per_seq = -(-(args.context + 1) // config.block_size)
     needed = args.batch * blocks_per_seq
-    config = dataclasses.replace(config, num_blocks=max(needed, config.num_blocks or 0), seed=args.seed)
+    config = dataclasses.replace(
+        config, num_blocks=max(needed, config.num_blocks or 0), seed=args.seed
+    )
     model_config = ModelConfig.from_dir(model_dir)
     if args.context + 1 > model_config.max_position_embeddings:
-        raise ValueError(f"--context {args.context} leaves no room for a new token in the model's "
-                         f"{model_config.max_position_embeddings} positions")
+        raise ValueError(
+            f"--context {args.context} leaves no room for a new token in the model's "
+            f"{model_config.max_position_embeddings} positions"
+        )
     return ModelRunner(model_dir, model_config, config), blocks_per_seq
 
 
-def make_batch(runner: ModelRunner, phase: str, batch: int, context: int, blocks_per_seq: int,
-               gen: torch.Generator) -> ForwardBatch:
+def make_batch(
+    runner: ModelRunner,
+    phase: str,
+    batch: int,
+    context: int,
+    blocks_per_seq: int,
+    gen: torch.Generator,
+) -> ForwardBatch:
     """The exact batch to time; for decode also fills the cache rows the sequences attend to."""
     vocab = runner.model_config.vocab_size
     block_ids = [list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)) for b in range(batch)]
@@ -85,8 +126,9 @@ def make_batch(runner: ModelRunner, phase: str, batch: int, context: int, blocks
     starts = [context if phase == "decode" else 0] * batch
     if phase == "decode":
         fill_kv_cache(runner, batch * blocks_per_seq, gen)
-    return ForwardBatch.build(tokens, starts, block_ids, runner.config.block_size, [True] * batch,
-                              runner.device)
+    return ForwardBatch.build(
+        tokens, starts, block_ids, runner.config.block_size, [True] * batch, runner.device
+    )
 
 
 def fill_kv_cache(runner: ModelRunner, num_blocks: int, gen: torch.Generator) -> None:
@@ -108,24 +150,36 @@ def forward_fn(runner: ModelRunner, batch: ForwardBatch) -> Callable[[], torch.T
             logits = runner.model.compute_logits(hidden[batch.logits_indices])
         _sync(runner.device)
         return logits
+
     return run_once
 
 
 def _module_labels() -> dict[type, str]:
     from pdmesh_engine.model.layers import DenseMLP, MLAttention, RMSNorm
     from pdmesh_engine.model.moe import MoE, Router
-    return {MLAttention: "attention", MoE: "moe (router + experts + shared)", Router: "moe.router",
-            DenseMLP: "dense mlp / shared experts", RMSNorm: "rmsnorm"}
+
+    return {
+        MLAttention: "attention",
+        MoE: "moe (router + experts + shared)",
+        Router: "moe.router",
+        DenseMLP: "dense mlp / shared experts",
+        RMSNorm: "rmsnorm",
+    }
 
 
 def _kernel_entry_points() -> list[tuple[Any, str, str]]:
     """(module, attribute, label) of the kernel functions the model calls, timed like modules."""
     from pdmesh_engine.model import layers, moe
-    return [(layers, "mla_decode_attention", "kernel mla_decode_attention"), (moe, "fused_moe", "kernel fused_moe")]
+
+    return [
+        (layers, "mla_decode_attention", "kernel mla_decode_attention"),
+        (moe, "fused_moe", "kernel fused_moe"),
+    ]
 
 
 def module_times(model: torch.nn.Module, fn: Callable[[], Any], repeats: int) -> dict[str, float]:
-    """Inclusive wall ms per forward of each module kind and kernel call (CPU: ops are synchronous)."""
+    """Inclusive wall ms per forward of each module kind and kernel call (CPU: ops are
+    synchronous)."""
     labels = _module_labels()
     totals: dict[str, float] = {}
     starts: dict[int, float] = {}
@@ -146,12 +200,17 @@ def module_times(model: torch.nn.Module, fn: Callable[[], Any], repeats: int) ->
                 return function(*args, **kwargs)
             finally:
                 add(label, time.perf_counter() - start)
+
         return wrapper
 
-    handles = [h for m in model.modules() if type(m) in labels
-               for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
+    handles = [
+        h
+        for m in model.modules()
+        if type(m) in labels
+        for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))
+    ]
     patched = [(owner, name, getattr(owner, name)) for owner, name, _ in _kernel_entry_points()]
-    for (owner, name, function), (_, _, label) in zip(patched, _kernel_entry_points()):
+    for (owner, name, function), (_, _, label) in zip(patched, _kernel_entry_points(), strict=True):
         setattr(owner, name, timed(function, label))
     try:
         for _ in range(repeats):
@@ -165,10 +224,13 @@ def module_times(model: torch.nn.Module, fn: Callable[[], Any], repeats: int) ->
 
 
 def profile_ops(fn: Callable[[], Any], repeats: int) -> tuple[str, list[dict[str, Any]]]:
-    """torch.profiler over `repeats` forwards: (key_averages table, the top ops as dicts per forward)."""
+    """torch.profiler over `repeats` forwards: (key_averages table, the top ops as dicts per
+    forward)."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    activities = [ProfilerActivity.CPU] + (
+        [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+    )
     with profile(activities=activities) as prof:
         for _ in range(repeats):
             fn()
@@ -176,9 +238,15 @@ def profile_ops(fn: Callable[[], Any], repeats: int) -> tuple[str, list[dict[str
     table = averages.table(sort_by="self_cpu_time_total", row_limit=PROFILE_ROWS)
     total = sum(e.self_cpu_time_total for e in averages) or 1.0
     top = sorted(averages, key=lambda e: -e.self_cpu_time_total)[:PROFILE_ROWS]
-    rows = [{"op": e.key, "calls_per_forward": e.count / repeats,
-             "self_cpu_ms_per_forward": e.self_cpu_time_total / 1e3 / repeats,
-             "self_cpu_percent": 100.0 * e.self_cpu_time_total / total} for e in top]
+    rows = [
+        {
+            "op": e.key,
+            "calls_per_forward": e.count / repeats,
+            "self_cpu_ms_per_forward": e.self_cpu_time_total / 1e3 / repeats,
+            "self_cpu_percent": 100.0 * e.self_cpu_time_total / total,
+        }
+        for e in top
+    ]
     return table, rows
 
 
@@ -190,16 +258,22 @@ def run(args: argparse.Namespace) -> int:
     runner, blocks_per_seq = build_runner(model_dir, args)
     batch = make_batch(runner, args.phase, args.batch, args.context, blocks_per_seq, gen)
     fn = forward_fn(runner, batch)
-    print(f"bench forward: {args.phase} batch={args.batch} context={args.context}: "
-          f"{args.warmup} warmup + {args.repeats} timed forwards", file=sys.stderr)
+    print(
+        f"bench forward: {args.phase} batch={args.batch} context={args.context}: "
+        f"{args.warmup} warmup + {args.repeats} timed forwards",
+        file=sys.stderr,
+    )
     times = time_calls(fn, args.repeats, args.warmup)
     result = summarize(args, runner, batch, times)
     if args.phase == "decode":
         peaks = measure_peaks(args.quick)
         cost = DecodeCostModel.from_model(runner.model, runner.kv_layout.bytes_per_token)
         contexts = [args.context + 1] * args.batch
-        result.update(machine=peaks.to_dict(), cost_model=cost.to_dict(),
-                      roofline=roofline(cost, [(result["median_ms"] / 1e3, contexts)], peaks))
+        result.update(
+            machine=peaks.to_dict(),
+            cost_model=cost.to_dict(),
+            roofline=roofline(cost, [(result["median_ms"] / 1e3, contexts)], peaks),
+        )
     print_summary(result)
     if args.profile:
         result["module_ms_per_forward"] = module_times(runner.model, fn, args.repeats)
@@ -211,33 +285,58 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def summarize(args: argparse.Namespace, runner: ModelRunner, batch: ForwardBatch, times: list[float]) -> dict:
+def summarize(
+    args: argparse.Namespace, runner: ModelRunner, batch: ForwardBatch, times: list[float]
+) -> dict:
     median = percentile(times, 50)
-    return {"phase": args.phase, "batch": args.batch, "context": args.context, "num_tokens": batch.num_tokens,
-            "repeats": args.repeats, "warmup": args.warmup, "median_ms": median * 1e3,
-            "p90_ms": percentile(times, 90) * 1e3, "min_ms": min(times) * 1e3,
-            "tokens_per_s": batch.num_tokens / median, "dtype": str(runner.dtype).removeprefix("torch."),
-            "device": str(runner.device), "threads": torch.get_num_threads(),
-            "kv_bytes_per_token": runner.kv_layout.bytes_per_token, **rss_snapshot()}
+    return {
+        "phase": args.phase,
+        "batch": args.batch,
+        "context": args.context,
+        "num_tokens": batch.num_tokens,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "median_ms": median * 1e3,
+        "p90_ms": percentile(times, 90) * 1e3,
+        "min_ms": min(times) * 1e3,
+        "tokens_per_s": batch.num_tokens / median,
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "device": str(runner.device),
+        "threads": torch.get_num_threads(),
+        "kv_bytes_per_token": runner.kv_layout.bytes_per_token,
+        **rss_snapshot(),
+    }
 
 
 def print_summary(r: dict) -> None:
-    print(f"{r['phase']}  batch {r['batch']}  context {r['context']}  ({r['num_tokens']} tokens, {r['dtype']}, "
-          f"{r['device']}, {r['threads']} threads)")
-    print(f"  median {r['median_ms']:.2f} ms   p90 {r['p90_ms']:.2f} ms   min {r['min_ms']:.2f} ms   "
-          f"{r['tokens_per_s']:.1f} tokens/s")
+    print(
+        f"{r['phase']}  batch {r['batch']}  context {r['context']}  ({r['num_tokens']} tokens, "
+        f"{r['dtype']}, "
+        f"{r['device']}, {r['threads']} threads)"
+    )
+    print(
+        f"  median {r['median_ms']:.2f} ms   p90 {r['p90_ms']:.2f} ms   min {r['min_ms']:.2f} ms   "
+        f"{r['tokens_per_s']:.1f} tokens/s"
+    )
     roof = r.get("roofline")
     if roof:
         m = r["machine"]
-        print(f"  decode model: {roof['decode_flops_per_s'] / 1e9:.2f} GFLOP/s "
-              f"({100 * roof['flops_fraction_of_peak']:.2f}% of {m['matmul_flops_per_s'] / 1e9:.1f} measured), "
-              f"{roof['decode_bytes_per_s'] / 1e9:.2f} GB/s "
-              f"({100 * roof['bandwidth_fraction_of_peak']:.1f}% of {m['memory_bytes_per_s'] / 1e9:.1f} measured)")
+        print(
+            f"  decode model: {roof['decode_flops_per_s'] / 1e9:.2f} GFLOP/s "
+            f"({100 * roof['flops_fraction_of_peak']:.2f}% of {m['matmul_flops_per_s'] / 1e9:.1f} "
+            "measured), "
+            f"{roof['decode_bytes_per_s'] / 1e9:.2f} GB/s "
+            f"({100 * roof['bandwidth_fraction_of_peak']:.1f}% of "
+            f"{m['memory_bytes_per_s'] / 1e9:.1f} measured)"
+        )
 
 
 def print_profile(modules: dict[str, float], median_ms: float, table: str) -> None:
-    print("\ninclusive time per module kind and kernel call (ms per forward, % of the median forward; "
-          "nested kinds overlap):")
+    print(
+        "\ninclusive time per module kind and kernel call (ms per forward, % of the median "
+        "forward; "
+        "nested kinds overlap):"
+    )
     for label, ms in modules.items():
         print(f"  {label:<34} {ms:8.2f} ms  {100 * ms / median_ms:5.1f}%")
     print(f"\ntop {PROFILE_ROWS} ops by self CPU time (torch.profiler):")

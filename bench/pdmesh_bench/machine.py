@@ -1,10 +1,11 @@
-"""What the machine can do, and what a decode step asks of it: shared by the `pdmesh bench` commands.
+"""What the machine can do, and what a decode step asks of it: shared by the `pdmesh bench`
+commands.
 
 Machine peaks, measured in the same process as the benchmark (median of repeats):
 
     matmul FLOP/s    = 2 * n^3 / time of one fp32 `torch.mm` of two n x n matrices (n = 2048)
-    memory bytes/s   = 3 * nbytes / time of `torch.add(a, b, out=c)` over fp32 arrays of `mib` MiB each
-                       (a and b read, c written; write-allocate traffic not counted)
+    memory bytes/s   = 3 * nbytes / time of `torch.add(a, b, out=c)` over fp32 arrays of `mib`
+                       MiB each (a and b read, c written; write-allocate traffic not counted)
 
 Decode cost model (`DecodeCostModel`), for one step of T single-token decodes whose sequences hold
 ctx_1..ctx_T tokens (the new one included). Parameters are split as the forward pass reads them:
@@ -26,14 +27,15 @@ Absorbed decode multiplies queries by W_UK and outputs by W_UV, which together a
 counting kv_b_proj once as a matmul is exact. The fractions reported are achieved / measured peak,
 where achieved = sum of the modelled FLOPs (or bytes) over decode-only steps / their total time.
 """
+
 from __future__ import annotations
 
 import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -73,7 +75,7 @@ def measure_matmul_flops(n: int = 2048, repeats: int = 7) -> float:
     a = torch.randn(n, n, generator=gen)
     b = torch.randn(n, n, generator=gen)
     out = torch.empty(n, n)
-    return 2 * n ** 3 / _median_seconds(lambda: torch.mm(a, b, out=out), repeats)
+    return 2 * n**3 / _median_seconds(lambda: torch.mm(a, b, out=out), repeats)
 
 
 def measure_memory_bandwidth(mib: int = 256, repeats: int = 7) -> float:
@@ -88,8 +90,13 @@ def measure_memory_bandwidth(mib: int = 256, repeats: int = 7) -> float:
 def measure_peaks(quick: bool = False) -> MachinePeaks:
     size, mib = (512, 32) if quick else (2048, 256)
     repeats = 3 if quick else 7
-    return MachinePeaks(measure_matmul_flops(size, repeats), measure_memory_bandwidth(mib, repeats),
-                        size, mib, torch.get_num_threads())
+    return MachinePeaks(
+        measure_matmul_flops(size, repeats),
+        measure_memory_bandwidth(mib, repeats),
+        size,
+        mib,
+        torch.get_num_threads(),
+    )
 
 
 def set_threads(threads: int | None) -> None:
@@ -125,7 +132,7 @@ def rss_snapshot() -> dict[str, int]:
 class DecodeCostModel:
     """Parameter counts of a loaded engine model and the formulas of the module docstring."""
 
-    dense_params: int          # attention, norms, router, dense MLPs, shared experts (read every step)
+    dense_params: int  # attention, norms, router, dense MLPs, shared experts (read every step)
     lm_head_params: int
     hidden_size: int
     params_per_expert: int
@@ -140,12 +147,17 @@ class DecodeCostModel:
     kv_bytes_per_token: int
 
     @classmethod
-    def from_model(cls, model: nn.Module, kv_bytes_per_token: int) -> "DecodeCostModel":
-        """`model` is the engine's DeepseekV3ForCausalLM (MTP layers and the embedding are left out)."""
+    def from_model(cls, model: nn.Module, kv_bytes_per_token: int) -> DecodeCostModel:
+        """`model` is the engine's DeepseekV3ForCausalLM (MTP layers and the embedding are left
+        out)."""
         c = model.config
         dense = experts = 0
         for name, param in model.named_parameters():
-            if name.startswith("mtp.") or name.startswith("embed_tokens.") or name.startswith("lm_head."):
+            if (
+                name.startswith("mtp.")
+                or name.startswith("embed_tokens.")
+                or name.startswith("lm_head.")
+            ):
                 continue
             if name.endswith(".mlp.w13") or name.endswith(".mlp.w2"):
                 experts += param.numel()
@@ -153,14 +165,30 @@ class DecodeCostModel:
                 dense += param.numel()
         num_moe = len(model.moe_layers)
         per_expert = experts // max(num_moe * c.n_routed_experts, 1)
-        return cls(dense, model.lm_head.weight.numel(), c.hidden_size, per_expert, num_moe,
-                   c.n_routed_experts, c.num_experts_per_tok, c.num_hidden_layers, c.num_attention_heads,
-                   c.kv_lora_rank, c.qk_rope_head_dim, model.lm_head.weight.element_size(), kv_bytes_per_token)
+        return cls(
+            dense,
+            model.lm_head.weight.numel(),
+            c.hidden_size,
+            per_expert,
+            num_moe,
+            c.n_routed_experts,
+            c.num_experts_per_tok,
+            c.num_hidden_layers,
+            c.num_attention_heads,
+            c.kv_lora_rank,
+            c.qk_rope_head_dim,
+            model.lm_head.weight.element_size(),
+            kv_bytes_per_token,
+        )
 
     @property
     def active_params(self) -> int:
         """Matmul parameters one token uses (embedding lookup excluded)."""
-        return self.dense_params + self.lm_head_params + self.num_moe_layers * self.top_k * self.params_per_expert
+        return (
+            self.dense_params
+            + self.lm_head_params
+            + self.num_moe_layers * self.top_k * self.params_per_expert
+        )
 
     def experts_used(self, num_tokens: int) -> float:
         if not self.num_experts:
@@ -174,24 +202,34 @@ class DecodeCostModel:
 
     def bytes(self, contexts: Iterable[int]) -> float:
         ctx = list(contexts)
-        params = (self.dense_params + self.lm_head_params + len(ctx) * self.hidden_size
-                  + self.num_moe_layers * self.experts_used(len(ctx)) * self.params_per_expert)
+        params = (
+            self.dense_params
+            + self.lm_head_params
+            + len(ctx) * self.hidden_size
+            + self.num_moe_layers * self.experts_used(len(ctx)) * self.params_per_expert
+        )
         return params * self.bytes_per_param + sum(ctx) * self.kv_bytes_per_token
 
     def to_dict(self) -> dict:
         return {**asdict(self), "active_params_per_token": self.active_params}
 
 
-def roofline(cost: DecodeCostModel, steps: list[tuple[float, list[int]]], peaks: MachinePeaks) -> dict:
-    """Achieved FLOP/s and bytes/s over decode steps [(seconds, contexts)], and their fraction of the peaks."""
+def roofline(
+    cost: DecodeCostModel, steps: list[tuple[float, list[int]]], peaks: MachinePeaks
+) -> dict:
+    """Achieved FLOP/s and bytes/s over decode steps [(seconds, contexts)], and their fraction of
+    the peaks."""
     seconds = sum(s for s, _ in steps)
     if not steps or seconds <= 0:
         return {}
     flops = sum(cost.flops(ctx) for _, ctx in steps) / seconds
     traffic = sum(cost.bytes(ctx) for _, ctx in steps) / seconds
-    return {"decode_flops_per_s": flops, "decode_bytes_per_s": traffic,
-            "flops_fraction_of_peak": flops / peaks.matmul_flops_per_s,
-            "bandwidth_fraction_of_peak": traffic / peaks.memory_bytes_per_s}
+    return {
+        "decode_flops_per_s": flops,
+        "decode_bytes_per_s": traffic,
+        "flops_fraction_of_peak": flops / peaks.matmul_flops_per_s,
+        "bandwidth_fraction_of_peak": traffic / peaks.memory_bytes_per_s,
+    }
 
 
 def percentile(values: list[float], q: float) -> float:

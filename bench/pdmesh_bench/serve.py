@@ -1,4 +1,5 @@
-"""`pdmesh bench serve`: replay a request trace (or synthetic load) against an OpenAI-compatible server.
+"""`pdmesh bench serve`: replay a request trace (or synthetic load) against an OpenAI-compatible
+server.
 
 Every request is a streaming `POST /v1/completions` whose `prompt` is a list of token ids built by
 `pdmesh_bench.traces` (blocks shared exactly where the trace's hash ids are equal), with
@@ -9,10 +10,11 @@ Trace lengths are kept (only clamped to the context) unless `--scale-to-context`
 `scaling` says what was done.
 
 Measured per request from the SSE stream: TTFT (first token chunk), ITL (gaps between token chunks),
-TPOT ((e2e - ttft) / (output_tokens - 1)), e2e and the user's speed output_tokens / e2e. Traffic goes
-only to loopback hosts unless `--allow-remote`; it is bounded by `--num-requests`, `--duration-s`
-(no new requests after it) and `--timeout-s` (per request, whole stream).
+TPOT ((e2e - ttft) / (output_tokens - 1)), e2e and the user's speed output_tokens / e2e. Traffic
+goes only to loopback hosts unless `--allow-remote`; it is bounded by `--num-requests`,
+`--duration-s` (no new requests after it) and `--timeout-s` (per request, whole stream).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,38 +24,50 @@ import json
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 
-from pdmesh_bench.traces import (P90_USER_DEFINITION, Job, choose_arrivals, distribution, load_trace, make_jobs,
-                                 p90_user_tokens_per_s, plan_scaling, scale_requests, synthetic_requests)
+from pdmesh_bench.traces import (
+    P90_USER_DEFINITION,
+    Job,
+    choose_arrivals,
+    distribution,
+    load_trace,
+    make_jobs,
+    p90_user_tokens_per_s,
+    plan_scaling,
+    scale_requests,
+    synthetic_requests,
+)
+
 
 @dataclass
 class ServeOptions:
     url: str = "http://127.0.0.1:8000"
     trace: str | None = None
     synthetic: bool = False
-    rate: float | None = None            # Poisson arrivals (req/s); overrides the trace's timestamps
-    concurrency: int | None = None       # closed loop with this many requests in flight
+    rate: float | None = None  # Poisson arrivals (req/s); overrides the trace's timestamps
+    concurrency: int | None = None  # closed loop with this many requests in flight
     num_requests: int = 100
-    duration_s: float | None = None      # no new requests after this many seconds
-    input_len: int = 256                 # --synthetic
-    output_len: int = 64                 # --synthetic
-    prefix_fraction: float = 0.0         # --synthetic: shared prefix of every prompt
+    duration_s: float | None = None  # no new requests after this many seconds
+    input_len: int = 256  # --synthetic
+    output_len: int = 64  # --synthetic
+    prefix_fraction: float = 0.0  # --synthetic: shared prefix of every prompt
     scale_to_context: bool = False
     scale_percentile: float = 99.0
     scale_factor: float | None = None
-    keep_output_len: bool = False        # scale inputs only
+    keep_output_len: bool = False  # scale inputs only
     time_scale: float = 1.0
     seed: int = 0
-    max_model_len: int | None = None     # default: from GET /v1/models
-    model: str | None = None             # default: from GET /v1/models
-    vocab_size: int = 1024               # prompt token ids are drawn from [16, vocab_size)
+    max_model_len: int | None = None  # default: from GET /v1/models
+    model: str | None = None  # default: from GET /v1/models
+    vocab_size: int = 1024  # prompt token ids are drawn from [16, vocab_size)
     timeout_s: float = 300.0
-    max_inflight: int = 256              # connection limit in open-loop mode
+    max_inflight: int = 256  # connection limit in open-loop mode
     allow_remote: bool = False
     progress_every: int = 10
     json: str | None = None
@@ -67,11 +81,17 @@ class ServeOptions:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="replay a trace or synthetic load against an OpenAI-compatible server")
+    p = sub.add_parser(
+        "serve", help="replay a trace or synthetic load against an OpenAI-compatible server"
+    )
     p.add_argument("--url", default=ServeOptions.url, help="server base URL (default %(default)s)")
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--trace", help="Mooncake .jsonl, Azure .csv, agentic .json (or a directory of them)")
-    source.add_argument("--synthetic", action="store_true", help="random prompts of --input-len/--output-len")
+    source.add_argument(
+        "--trace", help="Mooncake .jsonl, Azure .csv, agentic .json (or a directory of them)"
+    )
+    source.add_argument(
+        "--synthetic", action="store_true", help="random prompts of --input-len/--output-len"
+    )
     load = p.add_mutually_exclusive_group()
     load.add_argument("--rate", type=float, help="Poisson arrivals at R requests/s")
     load.add_argument("--concurrency", type=int, help="closed loop: C requests in flight")
@@ -79,10 +99,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--duration-s", type=float, help="stop issuing requests after S seconds")
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--prefix-fraction", type=float, default=0.0, help="synthetic: shared-prefix fraction")
-    p.add_argument("--time-scale", type=float, default=1.0, help="multiply trace times (0.5 = twice as fast)")
-    p.add_argument("--scale-to-context", action="store_true",
-                   help="scale trace lengths (and hash blocks) so the --scale-percentile fits the context")
+    p.add_argument(
+        "--prefix-fraction", type=float, default=0.0, help="synthetic: shared-prefix fraction"
+    )
+    p.add_argument(
+        "--time-scale", type=float, default=1.0, help="multiply trace times (0.5 = twice as fast)"
+    )
+    p.add_argument(
+        "--scale-to-context",
+        action="store_true",
+        help="scale trace lengths (and hash blocks) so the --scale-percentile fits the context",
+    )
     p.add_argument("--scale-percentile", type=float, default=99.0)
     p.add_argument("--scale-factor", type=float, help="explicit scale factor in (0, 1]")
     p.add_argument("--keep-output-len", action="store_true", help="scale inputs only")
@@ -91,7 +118,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="model name (default: the first of GET /v1/models)")
     p.add_argument("--vocab-size", type=int, default=1024, help="token ids are drawn below this")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per request, whole stream")
-    p.add_argument("--max-inflight", type=int, default=256, help="connection limit in open-loop mode")
+    p.add_argument(
+        "--max-inflight", type=int, default=256, help="connection limit in open-loop mode"
+    )
     p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --url")
     p.add_argument("--progress-every", type=int, default=10)
     p.add_argument("--json", type=Path, help="write the results to this JSON file")
@@ -121,7 +150,11 @@ def validate(o: ServeOptions) -> None:
     check_host(o.url, o.allow_remote)
     if (o.trace is None) == (not o.synthetic):
         raise ValueError("give exactly one of --trace FILE and --synthetic")
-    if o.num_requests < 1 or (o.concurrency is not None and o.concurrency < 1) or o.max_inflight < 1:
+    if (
+        o.num_requests < 1
+        or (o.concurrency is not None and o.concurrency < 1)
+        or o.max_inflight < 1
+    ):
         raise ValueError("--num-requests, --concurrency and --max-inflight must be >= 1")
     if o.rate is not None and o.concurrency is not None:
         raise ValueError("give at most one of --rate and --concurrency")
@@ -143,7 +176,9 @@ def check_host(url: str, allow_remote: bool = False) -> None:
             return
     except ValueError:
         pass
-    raise ValueError(f"refusing to send load to non-loopback host {parts.hostname!r} (pass --allow-remote)")
+    raise ValueError(
+        f"refusing to send load to non-loopback host {parts.hostname!r} (pass --allow-remote)"
+    )
 
 
 def base_url(url: str) -> str:
@@ -153,20 +188,29 @@ def base_url(url: str) -> str:
 
 # ----- the work list ---------------------------------------------------------------------------
 
+
 def build_jobs(o: ServeOptions, max_model_len: int) -> tuple[list[Job], dict[str, Any]]:
     """The requests to send and how their lengths were scaled."""
     if o.synthetic:
-        requests, block = synthetic_requests(o.num_requests, o.input_len, o.output_len, o.prefix_fraction)
+        requests, block = synthetic_requests(
+            o.num_requests, o.input_len, o.output_len, o.prefix_fraction
+        )
         scaling = plan_scaling(requests, max_model_len, block, enabled=False, factor=1.0)
         source = {"source": "synthetic", "prefix_tokens": round(o.prefix_fraction * o.input_len)}
     else:
         trace = load_trace(o.trace)
         if not trace.requests:
             raise ValueError(f"{o.trace}: the trace has no requests")
-        scaling = plan_scaling(trace.requests, max_model_len, trace.block_tokens, enabled=o.scale_to_context,
-                               percentile=o.scale_percentile, factor=o.scale_factor,
-                               scale_output=not o.keep_output_len)
-        requests = trace.requests[:o.num_requests]
+        scaling = plan_scaling(
+            trace.requests,
+            max_model_len,
+            trace.block_tokens,
+            enabled=o.scale_to_context,
+            percentile=o.scale_percentile,
+            factor=o.scale_factor,
+            scale_output=not o.keep_output_len,
+        )
+        requests = trace.requests[: o.num_requests]
         source = {"source": "trace", "format": trace.format, "trace_requests": len(trace.requests)}
     requests = scale_requests(requests, scaling)
     arrivals = choose_arrivals(requests, o.rate, o.concurrency, o.time_scale, o.seed)
@@ -176,10 +220,11 @@ def build_jobs(o: ServeOptions, max_model_len: int) -> tuple[list[Job], dict[str
 
 # ----- sending ---------------------------------------------------------------------------------
 
+
 @dataclass
 class Result:
     index: int
-    start: float                     # perf_counter at the scheduled send
+    start: float  # perf_counter at the scheduled send
     ok: bool = False
     error: str | None = None
     token_times: list[float] = field(default_factory=list)
@@ -214,8 +259,14 @@ class Sender:
     errors: list[str] = field(default_factory=list)
 
     def body(self, job: Job) -> dict[str, Any]:
-        body = {"model": self.model, "prompt": job.prompt, "max_tokens": job.max_tokens, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": self.model,
+            "prompt": job.prompt,
+            "max_tokens": job.max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if self.ignore_eos:
             body["ignore_eos"] = True
         return body
@@ -224,7 +275,7 @@ class Sender:
         result = Result(job.index, scheduled, prompt_tokens=len(job.prompt))
         try:
             await asyncio.wait_for(self._send(job, result), self.timeout_s)
-        except (httpx.HTTPError, StreamError, ValueError, asyncio.TimeoutError) as e:
+        except (TimeoutError, httpx.HTTPError, StreamError, ValueError) as e:
             result.error = f"{type(e).__name__}: {e}"[:500] or type(e).__name__
         result.ok = result.error is None and bool(result.token_times)
         if result.error is None and not result.ok:
@@ -232,8 +283,13 @@ class Sender:
         if result.error:
             self.errors.append(result.error)
         self.done += 1
-        if self.progress_every and (self.done % self.progress_every == 0 or self.done == self.total):
-            print(f"bench serve: {self.done}/{self.total} done, {len(self.errors)} errors", file=sys.stderr)
+        if self.progress_every and (
+            self.done % self.progress_every == 0 or self.done == self.total
+        ):
+            print(
+                f"bench serve: {self.done}/{self.total} done, {len(self.errors)} errors",
+                file=sys.stderr,
+            )
         return result
 
     async def _send(self, job: Job, result: Result) -> None:
@@ -243,14 +299,20 @@ class Sender:
                     await read_stream(resp.aiter_lines(), result)
                     return
                 text = (await resp.aread()).decode(errors="replace")
-                if attempt == 0 and self.ignore_eos and resp.status_code == 400 and "ignore_eos" in text:
-                    self.ignore_eos = False      # the server rejects the extension: send without it
+                if (
+                    attempt == 0
+                    and self.ignore_eos
+                    and resp.status_code == 400
+                    and "ignore_eos" in text
+                ):
+                    self.ignore_eos = False  # the server rejects the extension: send without it
                     continue
                 raise StreamError(f"HTTP {resp.status_code}: {text[:300]}")
 
 
 async def read_stream(lines: Any, result: Result) -> None:
-    """Consume `data: {...}` SSE lines up to `data: [DONE]`, timing every chunk that carries a token."""
+    """Consume `data: {...}` SSE lines up to `data: [DONE]`, timing every chunk that carries a
+    token."""
     async for line in lines:
         if not line.startswith("data:"):
             continue
@@ -268,21 +330,26 @@ async def read_stream(lines: Any, result: Result) -> None:
             usage = chunk["usage"]
             result.output_tokens = int(usage.get("completion_tokens") or 0)
             result.prompt_tokens = int(usage.get("prompt_tokens") or result.prompt_tokens)
-            result.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+            result.cached_tokens = int(
+                (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            )
     result.end = time.perf_counter()
     if not result.output_tokens:
         result.output_tokens = len(result.token_times)
 
 
 def _carries_token(choice: dict[str, Any]) -> bool:
-    """Text (completions) or delta content (chat); an empty-text chunk counts unless it only finishes."""
+    """Text (completions) or delta content (chat); an empty-text chunk counts unless it only
+    finishes."""
     text = choice.get("text")
     if text is None:
         text = (choice.get("delta") or {}).get("content")
     return bool(text) or choice.get("finish_reason") is None
 
 
-async def open_loop(sender: Sender, jobs: list[Job], t0: float, deadline: float | None) -> list[Result]:
+async def open_loop(
+    sender: Sender, jobs: list[Job], t0: float, deadline: float | None
+) -> list[Result]:
     tasks = []
     for job in jobs:
         at = t0 + (job.arrival_s or 0.0)
@@ -295,12 +362,14 @@ async def open_loop(sender: Sender, jobs: list[Job], t0: float, deadline: float 
     return list(await asyncio.gather(*tasks))
 
 
-async def closed_loop(sender: Sender, jobs: list[Job], concurrency: int, deadline: float | None) -> list[Result]:
+async def closed_loop(
+    sender: Sender, jobs: list[Job], concurrency: int, deadline: float | None
+) -> list[Result]:
     queue = iter(jobs)
     results: list[Result] = []
 
     async def worker() -> None:
-        for job in queue:                # one shared iterator: each job goes to exactly one worker
+        for job in queue:  # one shared iterator: each job goes to exactly one worker
             if deadline is not None and time.perf_counter() > deadline:
                 return
             results.append(await sender.issue(job, time.perf_counter()))
@@ -331,9 +400,13 @@ async def _run(o: ServeOptions) -> dict[str, Any]:
         if not max_model_len:
             raise ValueError("the server does not report max_model_len: pass --max-model-len")
         jobs, scaling = build_jobs(o, max_model_len)
-        sender = Sender(client, f"{url}/v1/completions", model, o.timeout_s, len(jobs), o.progress_every)
-        print(f"bench serve: {len(jobs)} requests to {url} ({model}, max_model_len {max_model_len})",
-              file=sys.stderr)
+        sender = Sender(
+            client, f"{url}/v1/completions", model, o.timeout_s, len(jobs), o.progress_every
+        )
+        print(
+            f"bench serve: {len(jobs)} requests to {url} ({model}, max_model_len {max_model_len})",
+            file=sys.stderr,
+        )
         t0 = time.perf_counter()
         deadline = None if o.duration_s is None else t0 + o.duration_s
         if o.concurrency is not None:
@@ -341,15 +414,22 @@ async def _run(o: ServeOptions) -> dict[str, Any]:
         else:
             results = await open_loop(sender, jobs, t0, deadline)
         duration = time.perf_counter() - t0
-    config = {**asdict(o), "url": url, "model": model, "max_model_len": max_model_len,
-              "mode": "closed-loop" if o.concurrency else ("poisson" if o.rate else "trace-timestamps"),
-              "ignore_eos_sent": sender.ignore_eos}
+    config = {
+        **asdict(o),
+        "url": url,
+        "model": model,
+        "max_model_len": max_model_len,
+        "mode": "closed-loop" if o.concurrency else ("poisson" if o.rate else "trace-timestamps"),
+        "ignore_eos_sent": sender.ignore_eos,
+    }
     return {**summarize(results, duration, sender.errors), "config": config, "scaling": scaling}
 
 
-def summarize(results: list[Result], duration_s: float, errors: list[str] | None = None) -> dict[str, Any]:
+def summarize(
+    results: list[Result], duration_s: float, errors: list[str] | None = None
+) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
-    itl = [(b - a) * 1e3 for r in ok for a, b in zip(r.token_times, r.token_times[1:])]
+    itl = [(b - a) * 1e3 for r in ok for a, b in pairwise(r.token_times)]
     tpot = [(r.e2e_s - r.ttft_s) * 1e3 / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     speeds = [r.output_tokens / r.e2e_s for r in ok if r.e2e_s > 0]
     out_tokens = sum(r.output_tokens for r in ok)
@@ -358,38 +438,62 @@ def summarize(results: list[Result], duration_s: float, errors: list[str] | None
     errors = errors if errors is not None else [r.error for r in results if r.error]
     duration_s = max(duration_s, 1e-9)
     return {
-        "ttft_ms": distribution([r.ttft_s * 1e3 for r in ok]), "tpot_ms": distribution(tpot),
-        "itl_ms": distribution(itl), "e2e_ms": distribution([r.e2e_s * 1e3 for r in ok]),
+        "ttft_ms": distribution([r.ttft_s * 1e3 for r in ok]),
+        "tpot_ms": distribution(tpot),
+        "itl_ms": distribution(itl),
+        "e2e_ms": distribution([r.e2e_s * 1e3 for r in ok]),
         "user_tokens_per_s": distribution(speeds),
-        "output_tokens_per_s": out_tokens / duration_s, "request_throughput": len(ok) / duration_s,
+        "output_tokens_per_s": out_tokens / duration_s,
+        "request_throughput": len(ok) / duration_s,
         "p90_user_tokens_per_s": p90_user_tokens_per_s(speeds),
         "p90_user_tokens_per_s_definition": P90_USER_DEFINITION,
-        "num_requests": len(results), "num_completed": len(ok), "num_errors": len(results) - len(ok),
-        "error_messages": errors[:5], "input_tokens": inputs, "cached_input_tokens": cached,
-        "uncached_input_tokens": inputs - cached, "cache_hit_ratio": cached / inputs if inputs else None,
-        "output_tokens": out_tokens, "duration_s": duration_s,
+        "num_requests": len(results),
+        "num_completed": len(ok),
+        "num_errors": len(results) - len(ok),
+        "error_messages": errors[:5],
+        "input_tokens": inputs,
+        "cached_input_tokens": cached,
+        "uncached_input_tokens": inputs - cached,
+        "cache_hit_ratio": cached / inputs if inputs else None,
+        "output_tokens": out_tokens,
+        "duration_s": duration_s,
     }
 
 
 def print_summary(r: dict[str, Any]) -> None:
     def ms(d: dict[str, float | None]) -> str:
-        return "  ".join(f"{k} {v:8.1f}" if v is not None else f"{k}      n/a"
-                         for k, v in d.items() if k != "mean")
+        return "  ".join(
+            f"{k} {v:8.1f}" if v is not None else f"{k}      n/a"
+            for k, v in d.items()
+            if k != "mean"
+        )
 
     c, s = r["config"], r["scaling"]
-    print(f"bench serve: {c['model']} at {c['url']}, {c['mode']}, {r['num_completed']}/{r['num_requests']} "
-          f"completed in {r['duration_s']:.1f} s ({r['num_errors']} errors)")
+    print(
+        f"bench serve: {c['model']} at {c['url']}, {c['mode']}, "
+        f"{r['num_completed']}/{r['num_requests']} "
+        f"completed in {r['duration_s']:.1f} s ({r['num_errors']} errors)"
+    )
     group = f" per {s['hash_ids_per_block']} hash ids" if s["hash_ids_per_block"] > 1 else ""
-    print(f"  scaling: factor {s['factor']:.4g}, block {s['block_tokens']} tokens{group}, "
-          f"{s['inputs_clamped']} inputs / {s['outputs_clamped']} outputs clamped to {s['max_model_len']}")
+    print(
+        f"  scaling: factor {s['factor']:.4g}, block {s['block_tokens']} tokens{group}, "
+        f"{s['inputs_clamped']} inputs / {s['outputs_clamped']} outputs clamped to "
+        f"{s['max_model_len']}"
+    )
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         print(f"  {name:<8} {ms(r[name])}")
     user = r["p90_user_tokens_per_s"]
-    print(f"  throughput {r['request_throughput']:.2f} req/s, {r['output_tokens_per_s']:.1f} output tokens/s; "
-          f"p90 user {user if user is None else round(user, 1)} tokens/s (10th percentile of per-request speed)")
+    print(
+        f"  throughput {r['request_throughput']:.2f} req/s, {r['output_tokens_per_s']:.1f} output "
+        "tokens/s; "
+        f"p90 user {user if user is None else round(user, 1)} tokens/s (10th percentile of "
+        "per-request speed)"
+    )
     hit = r["cache_hit_ratio"]
-    print(f"  input tokens {r['input_tokens']} ({r['cached_input_tokens']} cached"
-          f"{'' if hit is None else f', {100 * hit:.1f}%'}, {r['uncached_input_tokens']} uncached), "
-          f"output tokens {r['output_tokens']}")
+    print(
+        f"  input tokens {r['input_tokens']} ({r['cached_input_tokens']} cached"
+        f"{'' if hit is None else f', {100 * hit:.1f}%'}, {r['uncached_input_tokens']} uncached), "
+        f"output tokens {r['output_tokens']}"
+    )
     for message in r["error_messages"]:
         print(f"  error: {message}")

@@ -2,12 +2,15 @@
 
 Data flow of one step:
     prompt ids + SamplingParams → Request → Scheduler.schedule() → SchedulerOutput
-    → ModelRunner: ForwardBatch → DeepseekV3ForCausalLM (paged MLA cache, MoE on expert slots) → logits
-    → Sampler → SampledToken → Scheduler.update_from_output() → StepOutput → OutputProcessor → CompletionOutput
+    → ModelRunner: ForwardBatch → DeepseekV3ForCausalLM (paged MLA cache, MoE on expert slots) →
+      logits
+    → Sampler → SampledToken → Scheduler.update_from_output() → StepOutput → OutputProcessor →
+      CompletionOutput
 
 `LLM` is the offline front end; `EngineCore` is what services wrap. Exports load on first use, so
 light users (the gateway's tokenizer, sampling validation) do not import torch.
 """
+
 from __future__ import annotations
 
 import importlib

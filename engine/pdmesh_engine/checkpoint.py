@@ -5,6 +5,7 @@ The hyper-parameters are `ModelConfig.from_dir` (config.py). Nothing here downlo
 (with `model.safetensors.index.json` when sharded) and optionally `generation_config.json`. Tensors
 are streamed one at a time, never a whole file.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
@@ -20,15 +21,26 @@ INDEX_FILE = "model.safetensors.index.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 
 # generation_config.json keys passed through as sampling defaults when present.
-_GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens",
-                    "do_sample", "pad_token_id", "bos_token_id")
-DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}    # torch_dtype name -> torch.dtype
+_GENERATION_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "max_new_tokens",
+    "do_sample",
+    "pad_token_id",
+    "bos_token_id",
+)
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # torch_dtype name -> torch.dtype
 
 
 def _require_dir(model_dir: str | Path) -> Path:
     path = Path(model_dir)
     if not path.is_dir():
-        raise CheckpointError(f"{model_dir}: not a directory (expected a Hugging Face model directory)")
+        raise CheckpointError(
+            f"{model_dir}: not a directory (expected a Hugging Face model directory)"
+        )
     return path
 
 
@@ -48,16 +60,21 @@ def find_safetensors(model_dir: str | Path) -> list[Path]:
         files = [path / name for name in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise CheckpointError(f"{index_path}: names shard(s) that do not exist in {path}: {missing}")
+            raise CheckpointError(
+                f"{index_path}: names shard(s) that do not exist in {path}: {missing}"
+            )
         return files
     files = sorted(p for p in path.glob("*.safetensors") if p.is_file())
     if not files:
-        raise CheckpointError(f"{path}: no *.safetensors weights found (only safetensors checkpoints are supported)")
+        raise CheckpointError(
+            f"{path}: no *.safetensors weights found (only safetensors checkpoints are supported)"
+        )
     return files
 
 
-def iter_tensors(model_dir: str | Path, device: str = "cpu",
-                 names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(
+    model_dir: str | Path, device: str = "cpu", names: Sequence[str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream `(name, tensor)` pairs of the checkpoint, one tensor at a time.
 
     `names`, when given, restricts the stream to those tensors (the rest are not read).
@@ -100,7 +117,9 @@ def _as_id_tuple(value: Any, path: Path) -> tuple[int, ...]:
         return ()
     items = value if isinstance(value, list) else [value]
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
-        raise CheckpointError(f"{path}: eos_token_id must be an int or a list of ints, got {value!r}")
+        raise CheckpointError(
+            f"{path}: eos_token_id must be an int or a list of ints, got {value!r}"
+        )
     return tuple(items)
 
 

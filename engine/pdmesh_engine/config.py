@@ -2,6 +2,7 @@
 
 Both are frozen dataclasses validated once, here; the rest of the engine trusts them.
 """
+
 from __future__ import annotations
 
 import json
@@ -11,7 +12,8 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
-DTYPE_NAMES = ("float32", "bfloat16", "float16")   # weight/KV dtypes, as config.json's torch_dtype names them
+# weight/KV dtypes, as config.json's torch_dtype names them
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 class CheckpointError(ValueError):
@@ -65,28 +67,54 @@ class ModelConfig:
     torch_dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                    "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "max_position_embeddings")
+        positive = (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "kv_lora_rank",
+            "qk_rope_head_dim",
+            "v_head_dim",
+            "max_position_embeddings",
+        )
         for name in positive:
             if getattr(self, name) <= 0:
-                raise CheckpointError(f"config.json: {name} must be positive, got {getattr(self, name)}")
+                raise CheckpointError(
+                    f"config.json: {name} must be positive, got {getattr(self, name)}"
+                )
         if self.qk_rope_head_dim % 2:
-            raise CheckpointError(f"config.json: qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+            raise CheckpointError(
+                f"config.json: qk_rope_head_dim must be even, got {self.qk_rope_head_dim}"
+            )
         if self.has_moe:
             if self.n_routed_experts % self.n_group:
                 raise CheckpointError(
-                    f"config.json: n_routed_experts ({self.n_routed_experts}) must divide into n_group ({self.n_group})")
+                    f"config.json: n_routed_experts ({self.n_routed_experts}) must divide into "
+                    f"n_group ({self.n_group})"
+                )
             if not 1 <= self.topk_group <= self.n_group:
-                raise CheckpointError(f"config.json: topk_group must be in [1, n_group], got {self.topk_group}")
+                raise CheckpointError(
+                    f"config.json: topk_group must be in [1, n_group], got {self.topk_group}"
+                )
             if self.num_experts_per_tok > self.topk_group * self.experts_per_group:
-                raise CheckpointError("config.json: num_experts_per_tok exceeds the experts of the chosen groups")
+                raise CheckpointError(
+                    "config.json: num_experts_per_tok exceeds the experts of the chosen groups"
+                )
             if self.experts_per_group < 2:
-                raise CheckpointError("config.json: group-limited routing needs at least 2 experts per group")
+                raise CheckpointError(
+                    "config.json: group-limited routing needs at least 2 experts per group"
+                )
         if self.hidden_act != "silu":
-            raise CheckpointError(f"config.json: hidden_act {self.hidden_act!r} is not supported (only 'silu')")
-        rope_type = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
+            raise CheckpointError(
+                f"config.json: hidden_act {self.hidden_act!r} is not supported (only 'silu')"
+            )
+        rope_type = (self.rope_scaling or {}).get(
+            "rope_type", (self.rope_scaling or {}).get("type", "default")
+        )
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise CheckpointError(f"config.json: rope type {rope_type!r} is not supported {SUPPORTED_ROPE_TYPES}")
+            raise CheckpointError(
+                f"config.json: rope type {rope_type!r} is not supported {SUPPORTED_ROPE_TYPES}"
+            )
 
     # Derived sizes.
     @property
@@ -118,11 +146,17 @@ class ModelConfig:
         return scaling.get("rope_type", scaling.get("type", "default"))
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
-        """Parse a Hugging Face config dict (both the `rope_scaling` and `rope_parameters` spellings)."""
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        """Parse a Hugging Face config dict (both the `rope_scaling` and `rope_parameters`
+        spellings)."""
         archs = raw.get("architectures") or [raw.get("model_type", "?")]
-        if not any(a in SUPPORTED_ARCHITECTURES for a in archs) and raw.get("model_type") != "deepseek_v3":
-            raise CheckpointError(f"unsupported architecture {archs}; pdmesh serves {SUPPORTED_ARCHITECTURES}")
+        if (
+            not any(a in SUPPORTED_ARCHITECTURES for a in archs)
+            and raw.get("model_type") != "deepseek_v3"
+        ):
+            raise CheckpointError(
+                f"unsupported architecture {archs}; pdmesh serves {SUPPORTED_ARCHITECTURES}"
+            )
         values = dict(raw)
         rope_params = values.get("rope_parameters")
         if isinstance(rope_params, dict):
@@ -130,12 +164,17 @@ class ModelConfig:
             if rope_params.get("rope_type", "default") != "default":
                 values["rope_scaling"] = {k: v for k, v in rope_params.items() if k != "rope_theta"}
         eos = values.get("eos_token_id")
-        values["eos_token_ids"] = tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
+        values["eos_token_ids"] = tuple(
+            eos if isinstance(eos, list) else ([] if eos is None else [eos])
+        )
         if values.get("dtype") and not values.get("torch_dtype"):
             values["torch_dtype"] = values["dtype"]
         names = {f.name for f in fields(cls)}
-        missing = [f.name for f in fields(cls)
-                   if f.name not in values and f.default is MISSING and f.default_factory is MISSING]
+        missing = [
+            f.name
+            for f in fields(cls)
+            if f.name not in values and f.default is MISSING and f.default_factory is MISSING
+        ]
         if missing:
             raise CheckpointError(f"config.json is missing {missing}")
         kwargs = {k: v for k, v in values.items() if k in names}
@@ -144,13 +183,17 @@ class ModelConfig:
         return cls(**kwargs)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         """The model's hyper-parameters from `model_dir/config.json`."""
         if not Path(model_dir).is_dir():
-            raise CheckpointError(f"{model_dir}: not a directory (expected a Hugging Face model directory)")
+            raise CheckpointError(
+                f"{model_dir}: not a directory (expected a Hugging Face model directory)"
+            )
         path = Path(model_dir) / "config.json"
         if not path.is_file():
-            raise CheckpointError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
+            raise CheckpointError(
+                f"{model_dir}: no config.json (is this a Hugging Face model directory?)"
+            )
         return cls.from_dict(read_json(path))
 
 
@@ -159,17 +202,17 @@ class EngineConfig:
     """How one engine instance runs a model: memory, batching and device."""
 
     block_size: int = 16
-    num_blocks: int | None = None          # None: derived from kv_cache_memory_bytes
+    num_blocks: int | None = None  # None: derived from kv_cache_memory_bytes
     kv_cache_memory_bytes: int = 256 << 20
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048     # per-step token budget (chunked prefill)
-    max_model_len: int | None = None       # None: the model's max_position_embeddings
+    max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
-    dtype: str = "auto"                    # auto | float32 | bfloat16 | float16
-    device: str = "auto"                   # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 0
-    num_threads: int | None = None         # torch CPU threads of this process; None: torch's default
-    expert_load_window: int = 1000         # steps of per-slot expert load kept for EPLB (a ring)
+    num_threads: int | None = None  # torch CPU threads of this process; None: torch's default
+    expert_load_window: int = 1000  # steps of per-slot expert load kept for EPLB (a ring)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -179,10 +222,14 @@ class EngineConfig:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
         if self.expert_load_window < 1:
             raise ValueError(f"expert_load_window must be >= 1, got {self.expert_load_window}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ValueError(
+                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )

@@ -1,11 +1,13 @@
-"""`EngineCore`: one engine instance, token ids in, token ids out. The step is schedule → execute → update.
+"""`EngineCore`: one engine instance, token ids in, token ids out. The step is schedule → execute →
+update.
 
 Expert placement (EPLB): `stage_placement` stages a new placement of the decoder's MoE layers in the
-background (pdmesh_engine.parallel.placement); `step()` switches to it at a step boundary: a single-rank
-engine at the first step after staging finished, a DEP rank in the step where every rank has it ready
-(agreed through the per-step DP sync, pdmesh_engine.parallel.dep). Greedy outputs do not change: a
-placement only decides which slot computes an expert.
+background (pdmesh_engine.parallel.placement); `step()` switches to it at a step boundary: a
+single-rank engine at the first step after staging finished, a DEP rank in the step where every rank
+has it ready (agreed through the per-step DP sync, pdmesh_engine.parallel.dep). Greedy outputs do
+not change: a placement only decides which slot computes an expert.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -33,36 +35,66 @@ if TYPE_CHECKING:
 class CoreStatus:
     """The engine at one moment (see `EngineCore.status`)."""
 
-    num_running: int            # requests in the running batch
-    num_waiting: int            # requests waiting to run or waiting for KV from elsewhere
+    num_running: int  # requests in the running batch
+    num_waiting: int  # requests waiting to run or waiting for KV from elsewhere
     kv: KVCacheStats
-    expert_weight_bytes: int    # routed-expert weights this rank holds (about 1/dp_size of them under DEP)
+    # routed-expert weights this rank holds (about 1/dp_size of them under DEP)
+    expert_weight_bytes: int
 
 
 class EngineCore:
-    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None,
-                 dep: DEPContext | None = None) -> None:
-        """`dep`: this engine is one rank of a DEP instance (see pdmesh_engine.parallel.dep); step() is collective."""
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: EngineConfig | None = None,
+        dep: DEPContext | None = None,
+    ) -> None:
+        """`dep`: this engine is one rank of a DEP instance (see pdmesh_engine.parallel.dep); step()
+        is collective."""
         self.config = config or EngineConfig()
         self.model_config = ModelConfig.from_dir(model_dir)
-        self.runner = ModelRunner(model_dir, self.model_config, self.config,
-                                  model_kwargs=dep.model_kwargs(self.model_config) if dep else None)
+        self.runner = ModelRunner(
+            model_dir,
+            self.model_config,
+            self.config,
+            model_kwargs=dep.model_kwargs(self.model_config) if dep else None,
+        )
         layout = self.runner.kv_layout
-        num_blocks = layout.num_blocks - (1 if dep else 0)     # DEP: the last block is the dummy forward's scratch
+        # DEP: the last block is the dummy forward's scratch
+        num_blocks = layout.num_blocks - (1 if dep else 0)
         self.kv = KVCacheManager(num_blocks, layout.block_size, self.config.enable_prefix_caching)
-        self.max_model_len = min(self.config.max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.max_position_embeddings, num_blocks * layout.block_size)
-        self.stager = PlacementStager(self.runner.model, CheckpointTensors(model_dir), self.runner.expert_load)
+        self.max_model_len = min(
+            self.config.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+            num_blocks * layout.block_size,
+        )
+        self.stager = PlacementStager(
+            self.runner.model, CheckpointTensors(model_dir), self.runner.expert_load
+        )
         self.lockstep: LockstepStepper | None = None
         if dep is not None:
-            self.lockstep = LockstepStepper(dep.dp_sync, self.runner, scratch_block=num_blocks,
-                                            placement=self.stager, size=dep.config.size)
-        self.scheduler = Scheduler(SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                                   self.max_model_len), self.kv)
+            self.lockstep = LockstepStepper(
+                dep.dp_sync,
+                self.runner,
+                scratch_block=num_blocks,
+                placement=self.stager,
+                size=dep.config.size,
+            )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                self.config.max_num_seqs, self.config.max_num_batched_tokens, self.max_model_len
+            ),
+            self.kv,
+        )
         self._ids = itertools.count()
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None, hold_blocks: bool = False) -> str:
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        hold_blocks: bool = False,
+    ) -> str:
         """Queue a request; raises ValueError for an empty or too long prompt or a bad token id.
 
         With `hold_blocks` the KV blocks stay allocated after the request finishes, until
@@ -73,12 +105,16 @@ class EngineCore:
         self.scheduler.add_request(request)
         return request.request_id
 
-    def reserve(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> list[int] | None:
-        """Hold blocks for a prompt whose KV another instance computes; None if the pool is short."""
+    def reserve(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+    ) -> list[int] | None:
+        """Hold blocks for a prompt whose KV another instance computes; None if the pool is
+        short."""
         return self.scheduler.reserve(self._make_request(prompt_token_ids, params, request_id))
 
     def kv_arrived(self, request_id: str, first_token_id: int | None = None) -> StepOutput | None:
-        """The reserved blocks hold the prompt's KV: decode from the first token on (see Scheduler)."""
+        """The reserved blocks hold the prompt's KV: decode from the first token on (see
+        Scheduler)."""
         return self.scheduler.kv_arrived(request_id, first_token_id)
 
     def blocks_of(self, request_id: str) -> list[int]:
@@ -87,20 +123,29 @@ class EngineCore:
     def release_held(self, request_id: str) -> bool:
         return self.scheduler.release_held(request_id)
 
-    def _make_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                      request_id: str | None) -> Request:
-        check_prompt(prompt_token_ids, vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len)
+    def _make_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None
+    ) -> Request:
+        check_prompt(
+            prompt_token_ids,
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+        )
         params.validate_for_vocab(self.model_config.vocab_size)
-        return Request(request_id or f"req-{next(self._ids)}", list(prompt_token_ids), params,
-                       eos_token_ids=self.model_config.eos_token_ids)
+        return Request(
+            request_id or f"req-{next(self._ids)}",
+            list(prompt_token_ids),
+            params,
+            eos_token_ids=self.model_config.eos_token_ids,
+        )
 
     def step(self) -> list[StepOutput]:
-        if self.lockstep is None:           # single rank: a ready placement is switched in before scheduling
+        if self.lockstep is None:  # single rank: a ready placement is switched in before scheduling
             ready = self.stager.ready_version()
             if ready:
                 self.stager.switch_to(ready)
         output = self.scheduler.schedule()
-        if self.lockstep is not None:       # DEP: DP sync, then the batch, a dummy forward or nothing
+        if self.lockstep is not None:  # DEP: DP sync, then the batch, a dummy forward or nothing
             pending = self.scheduler.num_running + len(self.scheduler.waiting)
             sampled = self.lockstep.execute(output, self.scheduler.requests, pending)
         else:
@@ -118,22 +163,26 @@ class EngineCore:
 
     @property
     def staged_version(self) -> int:
-        """The target placement staged and ready to switch to (= `placement_version` when none is)."""
+        """The target placement staged and ready to switch to (= `placement_version` when none
+        is)."""
         return self.stager.staged_version
 
     @property
     def last_staging(self) -> StagingStats | None:
-        """What staging the last finished version cost (slots changed, copied, read, bytes, seconds)."""
+        """What staging the last finished version cost (slots changed, copied, read, bytes,
+        seconds)."""
         return self.stager.last_stats
 
     def stage_placement(self, version: int, physical_to_logical: Sequence[Sequence[int]]) -> bool:
-        """Stage `physical_to_logical` ([L][P], one row per decoder MoE layer) as `version` in a background
-        thread and return at once; False if the version is not newer than the running/staged/staging one
-        or the shape does not fit. `step()` switches to it (module docstring)."""
+        """Stage `physical_to_logical` ([L][P], one row per decoder MoE layer) as `version` in a
+        background thread and return at once; False if the version is not newer than the
+        running/staged/staging one or the shape does not fit. `step()` switches to it (module
+        docstring)."""
         return self.stager.request(version, physical_to_logical)
 
     def expert_load_steps(self) -> tuple[int, int]:
-        """(forward steps recorded since start, that count when the running placement was switched in)."""
+        """(forward steps recorded since start, that count when the running placement was switched
+        in)."""
         recorder = self.runner.expert_load
         return (recorder.step, recorder.restart_step) if recorder is not None else (0, 0)
 
@@ -144,8 +193,8 @@ class EngineCore:
         return int(moe[0].w13[0].nbytes + moe[0].w2[0].nbytes) if moe else 0
 
     def expert_load_window(self) -> tuple[int, int, list[list[int]]]:
-        """(steps recorded since the last switch, capped at the window; the window; [L][P] tokens per slot
-        routed by this rank over those steps), with one host sync for all layers."""
+        """(steps recorded since the last switch, capped at the window; the window; [L][P] tokens
+        per slot routed by this rank over those steps), with one host sync for all layers."""
         recorder = self.runner.expert_load
         if recorder is None:
             return 0, self.config.expert_load_window, []
@@ -167,11 +216,16 @@ class EngineCore:
         return self.kv.stats()
 
     def status(self) -> CoreStatus:
-        return CoreStatus(self.scheduler.num_running, self.scheduler.num_waiting, self.kv.stats(),
-                          self.runner.expert_weight_bytes())
+        return CoreStatus(
+            self.scheduler.num_running,
+            self.scheduler.num_waiting,
+            self.kv.stats(),
+            self.runner.expert_weight_bytes(),
+        )
 
     def request_ids(self) -> list[str]:
-        """Every request this engine holds state or blocks for (queued, running, waiting for KV, held)."""
+        """Every request this engine holds state or blocks for (queued, running, waiting for KV,
+        held)."""
         return [*self.scheduler.requests, *self.scheduler.held]
 
     @property
@@ -180,5 +234,6 @@ class EngineCore:
 
     @property
     def kv_caches(self) -> torch.Tensor:
-        """The KV pool, [num_layers, num_blocks, block_size, entry_dim] (what a NIXL agent registers)."""
+        """The KV pool, [num_layers, num_blocks, block_size, entry_dim] (what a NIXL agent
+        registers)."""
         return self.runner.kv_caches

@@ -6,6 +6,7 @@ single-token decodes first (`num_decodes` of them, one token each), then the mul
 
 Legend: T tokens in the step, B sequences, M max blocks per sequence.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,16 +16,16 @@ import torch
 
 @dataclass(slots=True)
 class ForwardBatch:
-    input_ids: torch.Tensor        # [T] int64
-    positions: torch.Tensor        # [T] int64, position of each token in its sequence
-    slot_mapping: torch.Tensor     # [T] int64, flat cache slot (block * block_size + offset) to write
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, position of each token in its sequence
+    slot_mapping: torch.Tensor  # [T] int64, flat cache slot (block * block_size + offset) to write
     query_start_loc: torch.Tensor  # [B + 1] int64, sequence b owns tokens [start[b], start[b+1])
-    seq_lens: torch.Tensor         # [B] int32, tokens in the cache for b after this step
-    block_tables: torch.Tensor     # [B, M] int32, padded with block 0
-    logits_indices: torch.Tensor   # [S] int64, token rows whose logits are sampled
-    num_decodes: int               # the first num_decodes sequences are single-token decodes
-    query_start_list: list[int]    # host copy of query_start_loc
-    seq_len_list: list[int]        # host copy of seq_lens
+    seq_lens: torch.Tensor  # [B] int32, tokens in the cache for b after this step
+    block_tables: torch.Tensor  # [B, M] int32, padded with block 0
+    logits_indices: torch.Tensor  # [S] int64, token rows whose logits are sampled
+    num_decodes: int  # the first num_decodes sequences are single-token decodes
+    query_start_list: list[int]  # host copy of query_start_loc
+    seq_len_list: list[int]  # host copy of seq_lens
 
     @property
     def num_tokens(self) -> int:
@@ -35,8 +36,15 @@ class ForwardBatch:
         return len(self.seq_len_list)
 
     @classmethod
-    def build(cls, token_ids: list[list[int]], start_positions: list[int], block_ids: list[list[int]],
-              block_size: int, sample_mask: list[bool], device: torch.device) -> "ForwardBatch":
+    def build(
+        cls,
+        token_ids: list[list[int]],
+        start_positions: list[int],
+        block_ids: list[list[int]],
+        block_size: int,
+        sample_mask: list[bool],
+        device: torch.device,
+    ) -> ForwardBatch:
         """Build from per-sequence lists; sequences must already be ordered decodes-first."""
         num_decodes = 0
         while num_decodes < len(token_ids) and len(token_ids[num_decodes]) == 1:
@@ -47,7 +55,9 @@ class ForwardBatch:
         starts = [0]
         seq_lens: list[int] = []
         logits_rows: list[int] = []
-        for ids, start, blocks, sample in zip(token_ids, start_positions, block_ids, sample_mask):
+        for ids, start, blocks, sample in zip(
+            token_ids, start_positions, block_ids, sample_mask, strict=True
+        ):
             flat_ids.extend(ids)
             pos = range(start, start + len(ids))
             positions.extend(pos)
@@ -59,12 +69,20 @@ class ForwardBatch:
         width = max((len(b) for b in block_ids), default=1) or 1
         table = torch.zeros((len(block_ids), width), dtype=torch.int32)
         for row, blocks in enumerate(block_ids):
-            table[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
 
         def t(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
-        return cls(input_ids=t(flat_ids), positions=t(positions), slot_mapping=t(slots),
-                   query_start_loc=t(starts), seq_lens=t(seq_lens, torch.int32),
-                   block_tables=table.to(device), logits_indices=t(logits_rows),
-                   num_decodes=num_decodes, query_start_list=starts, seq_len_list=seq_lens)
+        return cls(
+            input_ids=t(flat_ids),
+            positions=t(positions),
+            slot_mapping=t(slots),
+            query_start_loc=t(starts),
+            seq_lens=t(seq_lens, torch.int32),
+            block_tables=table.to(device),
+            logits_indices=t(logits_rows),
+            num_decodes=num_decodes,
+            query_start_list=starts,
+            seq_len_list=seq_lens,
+        )

@@ -1,9 +1,9 @@
 """Paged KV cache: the block pool (memory and bookkeeping) and the per-request block manager.
 
 Memory (allocated by the model runner, `model_runner.allocate_kv_memory`; this module is pure
-bookkeeping and imports no torch): one contiguous tensor `[num_layers, num_blocks, block_size, L + R]`
-holding the MLA latent and rope key of every cached token; a block's bytes in one layer are contiguous,
-so the pool can be registered once with NIXL and addressed per (layer, block).
+bookkeeping and imports no torch): one contiguous tensor `[num_layers, num_blocks, block_size, L +
+R]` holding the MLA latent and rope key of every cached token; a block's bytes in one layer are
+contiguous, so the pool can be registered once with NIXL and addressed per (layer, block).
 
 Bookkeeping invariants (checked by `check_integrity`):
 - every block is in exactly one of: in use (ref_count > 0), cached (ref 0, has a hash, evictable),
@@ -11,6 +11,7 @@ Bookkeeping invariants (checked by `check_integrity`):
 - the evictable queue holds exactly the blocks with ref 0, least recently freed first;
 - a block's ref_count equals the number of requests that hold it.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -26,7 +27,7 @@ class KVCacheStats:
     num_cached: int
     num_used: int
     prefix_queries: int
-    prefix_hits: int        # tokens served from the prefix cache
+    prefix_hits: int  # tokens served from the prefix cache
 
 
 class BlockPool:
@@ -64,7 +65,8 @@ class BlockPool:
             self.ref_counts[block] += 1
 
     def release(self, blocks: list[int]) -> None:
-        """Drop one reference each; blocks reaching 0 become evictable (first given, first evicted)."""
+        """Drop one reference each; blocks reaching 0 become evictable (first given, first
+        evicted)."""
         for block in blocks:
             if self.ref_counts[block] <= 0:
                 raise RuntimeError(f"KV block {block} released more often than taken")
@@ -78,7 +80,7 @@ class BlockPool:
     def set_hash(self, block: int, block_hash: BlockHash) -> None:
         if not self.enable_caching or self.block_hashes[block] is not None:
             return
-        if block_hash in self.cached:      # same content computed twice: keep the first copy
+        if block_hash in self.cached:  # same content computed twice: keep the first copy
             return
         self.block_hashes[block] = block_hash
         self.cached[block_hash] = block
@@ -90,7 +92,8 @@ class BlockPool:
             self.block_hashes[block] = None
 
     def check_integrity(self, holders: list[list[int]]) -> None:
-        """Raise AssertionError naming the first broken invariant; `holders` are the requests' blocks."""
+        """Raise AssertionError naming the first broken invariant; `holders` are the requests'
+        blocks."""
         expected = [0] * self.num_blocks
         for blocks in holders:
             for block in blocks:
@@ -134,18 +137,21 @@ class KVCacheManager:
         if not self.pool.enable_caching:
             return []
         max_blocks = (len(token_ids) - 1) // self.block_size
-        hashes = hash_full_blocks(token_ids[:max_blocks * self.block_size], self.block_size)
+        hashes = hash_full_blocks(token_ids[: max_blocks * self.block_size], self.block_size)
         hits: list[int] = []
         for block_hash in hashes:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
             hits.append(block)
-        self.req_hashes[request_id] = hashes[:len(hits)]
+        self.req_hashes[request_id] = hashes[: len(hits)]
         return hits
 
-    def allocate(self, request_id: str, num_tokens: int, cached_prefix: list[int] | None = None) -> list[int] | None:
-        """Ensure the request holds blocks for `num_tokens` tokens; None (and no change) if out of blocks."""
+    def allocate(
+        self, request_id: str, num_tokens: int, cached_prefix: list[int] | None = None
+    ) -> list[int] | None:
+        """Ensure the request holds blocks for `num_tokens` tokens; None (and no change) if out of
+        blocks."""
         held = self.req_blocks.get(request_id, [])
         prefix = cached_prefix or []
         needed = -(-num_tokens // self.block_size) - len(held) - len(prefix)
@@ -170,7 +176,9 @@ class KVCacheManager:
         if num_full <= len(hashes):
             return
         parent = hashes[-1] if hashes else None
-        new = hash_full_blocks(token_ids[:num_full * self.block_size], self.block_size, len(hashes), parent)
+        new = hash_full_blocks(
+            token_ids[: num_full * self.block_size], self.block_size, len(hashes), parent
+        )
         blocks = self.req_blocks[request_id]
         for index, block_hash in enumerate(new, start=len(hashes)):
             self.pool.set_hash(blocks[index], block_hash)
@@ -190,4 +198,6 @@ class KVCacheManager:
 
     def stats(self) -> KVCacheStats:
         free, cached, used = self.pool.counts()
-        return KVCacheStats(self.pool.num_blocks, free, cached, used, self.prefix_queries, self.prefix_hits)
+        return KVCacheStats(
+            self.pool.num_blocks, free, cached, used, self.prefix_queries, self.prefix_hits
+        )

@@ -5,12 +5,12 @@
 
 `run_lockstep(engine)`: steps one rank of a DEP instance until no rank has requests left.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Union
 
 from pdmesh_engine.config import EngineConfig
 from pdmesh_engine.engine_core import EngineCore
@@ -19,7 +19,7 @@ from pdmesh_engine.sampling import SamplingParams, find_stop_string
 from pdmesh_engine.scheduler import StepOutput
 from pdmesh_engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
-Prompt = Union[str, list[int], dict]
+Prompt = str | list[int] | dict
 
 
 @dataclass(slots=True)
@@ -58,7 +58,7 @@ class OutputProcessor:
         out.num_cached_tokens = step.num_cached_tokens
         delta = detok.push(step.new_token_ids)
         if step.finish_reason is not None:
-            delta += detok.flush()      # the stream ends: emit a held-back incomplete character too
+            delta += detok.flush()  # the stream ends: emit a held-back incomplete character too
         out.text += delta
         out.finish_reason, out.stop_reason = step.finish_reason, step.stop_reason
         # a stop string may still cut a running request, or the text of one that ran out of length
@@ -66,7 +66,11 @@ class OutputProcessor:
             hit = find_stop_string(out.text, params.stop, len(delta))
             if hit is not None:
                 index, stop = hit
-                out.text = out.text[:index + len(stop)] if params.include_stop_str_in_output else out.text[:index]
+                out.text = (
+                    out.text[: index + len(stop)]
+                    if params.include_stop_str_in_output
+                    else out.text[:index]
+                )
                 if out.finish_reason is None:
                     finish(step.request_id, stop)
                 out.finish_reason, out.stop_reason = "stop", stop
@@ -76,7 +80,9 @@ class OutputProcessor:
 
 
 class LLM:
-    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, **overrides) -> None:
+    def __init__(
+        self, model_dir: str | Path, config: EngineConfig | None = None, **overrides
+    ) -> None:
         if overrides:
             config = EngineConfig(**{**(config.__dict__ if config else {}), **overrides})
         self.engine = EngineCore(model_dir, config)
@@ -91,10 +97,15 @@ class LLM:
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[CompletionOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[CompletionOutput]:
         """Submit every prompt at once, run until all finish; outputs in input order."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
@@ -102,7 +113,7 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
         processor = OutputProcessor(self.tokenizer)
         ids = []
-        for prompt, p in zip(prompts, params_list):
+        for prompt, p in zip(prompts, params_list, strict=True):
             prompt_ids = self.encode_prompt(prompt)
             ids.append(self.engine.add_request(prompt_ids, p))
             processor.add(ids[-1], prompt_ids, p)
@@ -115,13 +126,17 @@ class LLM:
         return [results[i] for i in ids]
 
 
-def run_lockstep(engine: EngineCore, before_step: Callable[[int], None] | None = None,
-                 after_step: Callable[[int, LockstepRecord], None] | None = None,
-                 max_steps: int = 1_000_000) -> list[StepOutput]:
+def run_lockstep(
+    engine: EngineCore,
+    before_step: Callable[[int], None] | None = None,
+    after_step: Callable[[int, LockstepRecord], None] | None = None,
+    max_steps: int = 1_000_000,
+) -> list[StepOutput]:
     """Offline driver: step until no rank has requests left. Every rank calls it (same `max_steps`).
 
-    `before_step(index)` runs at each step boundary (add requests, swap placements: the same on all ranks
-    where it matters), `after_step(index, record)` after each step. Returns this rank's step outputs.
+    `before_step(index)` runs at each step boundary (add requests, swap placements: the same on all
+    ranks where it matters), `after_step(index, record)` after each step. Returns this rank's step
+    outputs.
     """
     if engine.lockstep is None:
         raise ValueError("run_lockstep needs an EngineCore built with dep=DEPContext")

@@ -7,9 +7,10 @@ Per-request device state lives here, keyed by request id, not on the (pure) `Req
 request's `torch.Generator` is made when the request is first sampled and dropped when the scheduler
 reports it finished (`SchedulerOutput.finished_ids`, aborts included). Its state is a function of
 (seed, tokens sampled so far): the sampler draws exactly one [V] Exp(1) vector per sample of a
-non-greedy row, so a request whose first token was sampled elsewhere (decode after prefill) starts one
-draw ahead, and a preempted request keeps its generator.
+non-greedy row, so a request whose first token was sampled elsewhere (decode after prefill) starts
+one draw ahead, and a preempted request keeps its generator.
 """
+
 from __future__ import annotations
 
 import time
@@ -44,8 +45,14 @@ def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) ->
     return DTYPES.get(model_config.torch_dtype, torch.bfloat16)
 
 
-def allocate_kv_memory(num_layers: int, num_blocks: int, block_size: int, entry_dim: int,
-                       dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def allocate_kv_memory(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    entry_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
     """The KV pool's memory: [num_layers, num_blocks, block_size, entry_dim], zeroed, contiguous."""
     return torch.zeros((num_layers, num_blocks, block_size, entry_dim), dtype=dtype, device=device)
 
@@ -68,18 +75,29 @@ class KVLayout:
 
 
 def plan_kv_layout(model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> KVLayout:
-    probe = KVLayout(model_config.num_hidden_layers, 1, config.block_size, model_config.kv_cache_dim, dtype)
+    probe = KVLayout(
+        model_config.num_hidden_layers, 1, config.block_size, model_config.kv_cache_dim, dtype
+    )
     num_blocks = config.num_blocks or config.kv_cache_memory_bytes // probe.bytes_per_block
     if num_blocks < 1:
-        raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no block "
-                         f"({probe.bytes_per_block} bytes each)")
+        raise ValueError(
+            f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no block "
+            f"({probe.bytes_per_block} bytes each)"
+        )
     return KVLayout(probe.num_layers, num_blocks, config.block_size, probe.entry_dim, dtype)
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str | Path, model_config: ModelConfig, config: EngineConfig,
-                 model: DeepseekV3ForCausalLM | None = None, model_kwargs: dict[str, Any] | None = None) -> None:
-        """`model_kwargs` go to `DeepseekV3ForCausalLM` (DEP: placements, this rank's slots, the dispatcher)."""
+    def __init__(
+        self,
+        model_dir: str | Path,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        model: DeepseekV3ForCausalLM | None = None,
+        model_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        """`model_kwargs` go to `DeepseekV3ForCausalLM` (DEP: placements, this rank's slots, the
+        dispatcher)."""
         self.config, self.model_config = config, model_config
         self.model_kwargs = model_kwargs or {}
         if config.num_threads is not None:
@@ -89,20 +107,34 @@ class ModelRunner:
         self.load_seconds = 0.0
         self.model = model if model is not None else self._load_model(Path(model_dir))
         self.kv_layout = plan_kv_layout(model_config, config, self.dtype)
-        self.kv_caches = allocate_kv_memory(self.kv_layout.num_layers, self.kv_layout.num_blocks,
-                                            config.block_size, self.kv_layout.entry_dim, self.dtype, self.device)
+        self.kv_caches = allocate_kv_memory(
+            self.kv_layout.num_layers,
+            self.kv_layout.num_blocks,
+            config.block_size,
+            self.kv_layout.entry_dim,
+            self.dtype,
+            self.device,
+        )
         self.sampler = Sampler(seed=config.seed)
-        self.generators: dict[str, torch.Generator] = {}    # seeded requests being served, by request id
+        # seeded requests being served, by request id
+        self.generators: dict[str, torch.Generator] = {}
         moe = self.model.moe_layers
-        self.expert_load = ExpertLoadRecorder(len(moe), moe[0].placement.num_physical,
-                                              config.expert_load_window, self.device) if moe else None
+        self.expert_load = (
+            ExpertLoadRecorder(
+                len(moe), moe[0].placement.num_physical, config.expert_load_window, self.device
+            )
+            if moe
+            else None
+        )
 
     def expert_weight_bytes(self) -> int:
-        """Bytes of the routed experts' weights held here (w13 + w2 of every MoE layer, MTP included)."""
+        """Bytes of the routed experts' weights held here (w13 + w2 of every MoE layer, MTP
+        included)."""
         return sum(m.w13.nbytes + m.w2.nbytes for m in self.model.modules() if isinstance(m, MoE))
 
     def dispatch_stats(self) -> Any:
-        """The MoE dispatcher's per-phase timings (DEP: a `DispatchStats`), None for in-process experts."""
+        """The MoE dispatcher's per-phase timings (DEP: a `DispatchStats`), None for in-process
+        experts."""
         moe = self.model.moe_layers
         return getattr(moe[0].dispatcher, "stats", None) if moe else None
 
@@ -111,25 +143,33 @@ class ModelRunner:
         with torch.device("meta"):
             model = DeepseekV3ForCausalLM(self.model_config, **self.model_kwargs)
         model = model.to_empty(device=self.device).to(self.dtype)
-        for layer in model.moe_layers:                # routing stays in fp32, as the reference keeps it
+        for layer in model.moe_layers:  # routing stays in fp32, as the reference keeps it
             layer.gate.float()
             layer.set_placement(layer.placement)
-        model.rope.materialize(self.model_config)     # computed buffers, not checkpoint tensors
+        model.rope.materialize(self.model_config)  # computed buffers, not checkpoint tensors
         model.load_weights(iter_tensors(model_dir))
         model.eval()
         self.load_seconds = time.perf_counter() - start
         return model
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput, requests: dict[str, Request]) -> dict[str, SampledToken]:
-        """Run one scheduled step (`requests`: the scheduler's live requests by id); forget finished ones first."""
+    def execute(
+        self, output: SchedulerOutput, requests: dict[str, Request]
+    ) -> dict[str, SampledToken]:
+        """Run one scheduled step (`requests`: the scheduler's live requests by id); forget finished
+        ones first."""
         self.end_requests(output.finished_ids)
         if output.is_empty:
             return {}
         items = output.scheduled
-        batch = ForwardBatch.build([s.token_ids for s in items], [s.start_position for s in items],
-                                   [s.block_ids for s in items], self.config.block_size,
-                                   [s.needs_sample for s in items], self.device)
+        batch = ForwardBatch.build(
+            [s.token_ids for s in items],
+            [s.start_position for s in items],
+            [s.block_ids for s in items],
+            self.config.block_size,
+            [s.needs_sample for s in items],
+            self.device,
+        )
         hidden = self.model(batch, self.kv_caches, self.expert_load)
         if self.expert_load is not None:
             self.expert_load.end_step()
@@ -137,8 +177,12 @@ class ModelRunner:
         if not sampling:
             return {}
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        result = self.sampler(logits, [r.sampling_params for r in sampling], [self._generator(r) for r in sampling],
-                              [r.banned_token_ids() for r in sampling])
+        result = self.sampler(
+            logits,
+            [r.sampling_params for r in sampling],
+            [self._generator(r) for r in sampling],
+            [r.banned_token_ids() for r in sampling],
+        )
         return self._to_tokens(sampling, result)
 
     def end_requests(self, request_ids: list[str]) -> None:
@@ -154,8 +198,10 @@ class ModelRunner:
         generator = self.generators.get(request.request_id)
         if generator is None:
             generator = torch.Generator(device=self.device).manual_seed(seed)
-            if not request.sampling_params.is_greedy:    # tokens sampled before this engine saw it
-                self.sampler.skip_draws(generator, self.model_config.vocab_size, request.num_output_tokens)
+            if not request.sampling_params.is_greedy:  # tokens sampled before this engine saw it
+                self.sampler.skip_draws(
+                    generator, self.model_config.vocab_size, request.num_output_tokens
+                )
             self.generators[request.request_id] = generator
         return generator
 
@@ -171,6 +217,10 @@ class ModelRunner:
             if wanted is None or logprobs is None:
                 out[request.request_id] = SampledToken(token_ids[row])
                 continue
-            top = tuple(zip(top_ids[row][:wanted], top_lps[row][:wanted])) if wanted and top_ids else ()
+            top = (
+                tuple(zip(top_ids[row][:wanted], top_lps[row][:wanted], strict=True))
+                if wanted and top_ids
+                else ()
+            )
             out[request.request_id] = SampledToken(token_ids[row], logprobs[row], top)
         return out

@@ -7,6 +7,7 @@ reserved until the KV has arrived.
 Pure data: no tensors, no devices. A seeded request's random generator lives with the model runner,
 keyed by request id (see `ModelRunner`).
 """
+
 from __future__ import annotations
 
 import enum
@@ -21,14 +22,17 @@ class RequestStatus(enum.Enum):
     WAITING_FOR_KV = "waiting_for_kv"
     RUNNING = "running"
     PREEMPTED = "preempted"
-    FINISHED_STOPPED = "stop"          # EOS, stop token or stop string
-    FINISHED_LENGTH = "length"         # max_tokens or the model's context
+    FINISHED_STOPPED = "stop"  # EOS, stop token or stop string
+    FINISHED_LENGTH = "length"  # max_tokens or the model's context
     FINISHED_ABORTED = "abort"
 
     @property
     def is_finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
 
 
 @dataclass(slots=True, eq=False)
@@ -44,10 +48,10 @@ class Request:
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0        # prompt tokens served by the prefix cache (first admission)
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first admission)
     num_preemptions: int = 0
     stop_reason: int | str | None = None
-    hold_blocks: bool = False         # keep the KV blocks after finishing until released (prefill push)
+    hold_blocks: bool = False  # keep the KV blocks after finishing until released (prefill push)
 
     def __post_init__(self) -> None:
         check_prompt(self.prompt_token_ids)
@@ -74,7 +78,8 @@ class Request:
         self.all_token_ids.append(token_id)
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
-        """Token-level stop after the last appended token (stop strings are checked on text elsewhere)."""
+        """Token-level stop after the last appended token (stop strings are checked on text
+        elsewhere)."""
         params, last = self.sampling_params, self.output_token_ids[-1]
         if self.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:

@@ -14,6 +14,7 @@ Order of operations per row (vLLM's v1 order):
 A seeded row's draw depends only on its logits and its generator, never on the other rows.
 Logprobs are "raw": log_softmax of the logits as given, before bans and temperature.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -29,8 +30,10 @@ from pdmesh_engine.sampling import SamplingParams
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: torch.Tensor  # [B] int64
-    logprobs: torch.Tensor | None  # [B] float32, raw logprob of the chosen token; None if no row asked
-    top_ids: torch.Tensor | None  # [B, N] int64, most likely first; rows asking fewer ignore the rest
+    # [B] float32, raw logprob of the chosen token; None if no row asked
+    logprobs: torch.Tensor | None
+    # [B, N] int64, most likely first; rows asking fewer ignore the rest
+    top_ids: torch.Tensor | None
     top_logprobs: torch.Tensor | None  # [B, N] float32
 
 
@@ -58,7 +61,9 @@ class Sampler:
         """Advance `generator` past `num_samples` samples of a non-greedy row: the contract of
         `_exponential_noise` is exactly one [V] float32 Exp(1) draw per such sample."""
         for _ in range(num_samples):
-            torch.empty(vocab_size, dtype=torch.float32, device=generator.device).exponential_(generator=generator)
+            torch.empty(vocab_size, dtype=torch.float32, device=generator.device).exponential_(
+                generator=generator
+            )
 
     def __call__(
         self,
@@ -95,14 +100,19 @@ class Sampler:
         noise = self._exponential_noise(probs, [generators[i] for i in rows])  # [S, V]
         token_ids[idx] = (probs / noise).argmax(dim=-1)
 
-    def _exponential_noise(self, probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-        """[S, V] Exp(1) noise; row s from generators[s], rows with None from the default generator."""
+    def _exponential_noise(
+        self, probs: torch.Tensor, generators: Sequence[torch.Generator | None]
+    ) -> torch.Tensor:
+        """[S, V] Exp(1) noise; row s from generators[s], rows with None from the default
+        generator."""
         V = probs.shape[1]
         noise = torch.empty_like(probs)
         default_rows = [s for s, g in enumerate(generators) if g is None]
         if default_rows:
             g0 = self.default_generator(probs.device)
-            block = torch.empty(len(default_rows), V, device=probs.device).exponential_(generator=g0)
+            block = torch.empty(len(default_rows), V, device=probs.device).exponential_(
+                generator=g0
+            )
             noise[torch.tensor(default_rows, device=probs.device)] = block
         for s, g in enumerate(generators):
             if g is not None:
@@ -118,13 +128,19 @@ def _check_inputs(
     banned_token_ids: Sequence[Sequence[int]] | None,
 ) -> None:
     if logits.dim() != 2 or not logits.is_floating_point():
-        raise ValueError(f"logits must be a 2-D float tensor [B, V], got {tuple(logits.shape)} {logits.dtype}")
+        raise ValueError(
+            f"logits must be a 2-D float tensor [B, V], got {tuple(logits.shape)} {logits.dtype}"
+        )
     B = logits.shape[0]
     if len(params) != B or len(generators) != B:
-        raise ValueError(f"need one SamplingParams and one generator per row: B={B}, "
-                         f"got {len(params)} params and {len(generators)} generators")
+        raise ValueError(
+            f"need one SamplingParams and one generator per row: B={B}, "
+            f"got {len(params)} params and {len(generators)} generators"
+        )
     if banned_token_ids is not None and len(banned_token_ids) != B:
-        raise ValueError(f"banned_token_ids needs one entry per row: B={B}, got {len(banned_token_ids)}")
+        raise ValueError(
+            f"banned_token_ids needs one entry per row: B={B}, got {len(banned_token_ids)}"
+        )
 
 
 def _apply_bans(x: torch.Tensor, banned_token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -133,14 +149,17 @@ def _apply_bans(x: torch.Tensor, banned_token_ids: Sequence[Sequence[int]]) -> t
     cols = [int(t) for ids in banned_token_ids for t in ids]
     V = x.shape[1]
     if min(cols) < 0 or max(cols) >= V:
-        raise ValueError(f"banned_token_ids must be in [0, {V}), got {[c for c in cols if not 0 <= c < V]}")
+        raise ValueError(
+            f"banned_token_ids must be in [0, {V}), got {[c for c in cols if not 0 <= c < V]}"
+        )
     x = x.clone()
     x[torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device)] = float("-inf")
     return x
 
 
 def _filter_logits(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Temperature, then min-p, top-k, top-p on x [S, V]; returns new [S, V] logits, dropped at -inf."""
+    """Temperature, then min-p, top-k, top-p on x [S, V]; returns new [S, V] logits, dropped at
+    -inf."""
     V = x.shape[1]
     dev = x.device
     temps = [p.temperature for p in params]
@@ -149,7 +168,9 @@ def _filter_logits(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.T
     min_ps = [p.min_p for p in params]
     if any(m > 0.0 for m in min_ps):
         # prob < min_p * max_prob  <=>  logit < max_logit + log(min_p)   (log 0 = -inf: keep all)
-        threshold = x.max(dim=-1, keepdim=True).values + torch.tensor(min_ps, device=dev).log().unsqueeze(1)
+        threshold = x.max(dim=-1, keepdim=True).values + torch.tensor(
+            min_ps, device=dev
+        ).log().unsqueeze(1)
         x = x.masked_fill(x < threshold, float("-inf"))
     top_ks = [p.top_k if 0 < p.top_k < V else V for p in params]
     top_ps = [p.top_p for p in params]
@@ -159,7 +180,8 @@ def _filter_logits(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.T
 
 
 def _top_k_top_p(x: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Keep each row's k[s] largest logits, then its top-p nucleus; x [S, V], k [S] int, p [S] float."""
+    """Keep each row's k[s] largest logits, then its top-p nucleus; x [S, V], k [S] int, p [S]
+    float."""
     V = x.shape[1]
     sorted_x, order = x.sort(dim=-1, descending=True, stable=True)  # [S, V]; ties -> lower id first
     rank = torch.arange(V, device=x.device)  # [V]
@@ -173,7 +195,9 @@ def _top_k_top_p(x: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Ten
     return torch.full_like(x, float("-inf")).scatter_(1, order, sorted_x)
 
 
-def _with_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingParams]) -> SamplerOutput:
+def _with_logprobs(
+    raw: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingParams]
+) -> SamplerOutput:
     """Attach raw logprobs (log_softmax of raw [B, V]) if any row asked for them."""
     asked = [p.logprobs for p in params if p.logprobs is not None]
     if not asked:

@@ -5,11 +5,12 @@
 whose message names the field and the allowed range, so an API layer can return it as a 400.
 
 `check_prompt` is THE prompt admission rule (non-empty, ids in the vocabulary, room for one output
-token); the engine, the scheduler and every service that checks a prompt before a side effect call it,
-and convert its `PromptError` to their own error type.
+token); the engine, the scheduler and every service that checks a prompt before a side effect call
+it, and convert its `PromptError` to their own error type.
 
 `find_stop_string` is the pure helper the detokenizer calls after each chunk of new text.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,7 +35,9 @@ def _is_int(value: Any) -> bool:
 def _check_int(name: str, value: Any, lo: int | None, hi: int | None, allowed: str) -> int:
     """Return `value` as an int if it is an integer in [lo, hi]; else raise naming the field."""
     if not _is_int(value):
-        raise ValueError(f"{name} must be an integer {allowed}, got {value!r} ({type(value).__name__})")
+        raise ValueError(
+            f"{name} must be an integer {allowed}, got {value!r} ({type(value).__name__})"
+        )
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
     return int(value)
@@ -102,7 +105,9 @@ class SamplingParams:
         self._set("max_tokens", _check_int("max_tokens", self.max_tokens, 1, None, ">= 1"))
         temperature = _check_float("temperature", self.temperature)
         if not 0.0 <= temperature <= MAX_TEMPERATURE:
-            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {temperature!r}")
+            raise ValueError(
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {temperature!r}"
+            )
         self._set("temperature", temperature)
         top_k = _check_int("top_k", self.top_k, -1, None, ">= 1, or 0 / -1 to disable")
         self._set("top_k", max(top_k, 0))
@@ -115,11 +120,25 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {min_p!r}")
         self._set("min_p", min_p)
         if self.seed is not None:
-            self._set("seed", _check_int("seed", self.seed, _SEED_MIN, _SEED_MAX, "in [-2**63, 2**64 - 1]"))
-        self._set("min_tokens", _check_int(
-            "min_tokens", self.min_tokens, 0, self.max_tokens, f"in [0, max_tokens={self.max_tokens}]"))
+            self._set(
+                "seed",
+                _check_int("seed", self.seed, _SEED_MIN, _SEED_MAX, "in [-2**63, 2**64 - 1]"),
+            )
+        self._set(
+            "min_tokens",
+            _check_int(
+                "min_tokens",
+                self.min_tokens,
+                0,
+                self.max_tokens,
+                f"in [0, max_tokens={self.max_tokens}]",
+            ),
+        )
         if self.logprobs is not None:
-            self._set("logprobs", _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"))
+            self._set(
+                "logprobs",
+                _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"),
+            )
 
     def _validate_stops(self) -> None:
         stop = _as_tuple("stop", self.stop, allow_str=True)
@@ -128,8 +147,10 @@ class SamplingParams:
                 raise ValueError(f"stop must contain only non-empty strings, got {s!r}")
         self._set("stop", stop)
         ids = _as_tuple("stop_token_ids", self.stop_token_ids, allow_str=False)
-        self._set("stop_token_ids", tuple(
-            _check_int("stop_token_ids", t, 0, None, "list with entries >= 0") for t in ids))
+        self._set(
+            "stop_token_ids",
+            tuple(_check_int("stop_token_ids", t, 0, None, "list with entries >= 0") for t in ids),
+        )
 
     @property
     def is_greedy(self) -> bool:
@@ -147,23 +168,30 @@ class SamplingParams:
         known = [f.name for f in fields(cls)]
         unknown = sorted(str(k) for k in d if k not in known)
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s) {', '.join(map(repr, unknown))}; "
-                             f"allowed: {', '.join(known)}")
+            raise ValueError(
+                f"unknown sampling parameter(s) {', '.join(map(repr, unknown))}; "
+                f"allowed: {', '.join(known)}"
+            )
         return cls(**{k: v for k, v in d.items() if v is not None})
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Raise if a stop token id is outside the model's vocabulary [0, vocab_size)."""
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:
-            raise ValueError(f"stop_token_ids must be in [0, {vocab_size}) for this model, got {bad}")
+            raise ValueError(
+                f"stop_token_ids must be in [0, {vocab_size}) for this model, got {bad}"
+            )
 
 
 class PromptError(ValueError):
     """A prompt (or a token id) this engine cannot take; the message says why."""
 
 
-def check_token_ids(token_ids: Sequence[Any], vocab_size: int, what: str = "prompt token ids") -> None:
-    """Raise PromptError unless every entry is an int (not a bool) in [0, vocab_size); `what` names them."""
+def check_token_ids(
+    token_ids: Sequence[Any], vocab_size: int, what: str = "prompt token ids"
+) -> None:
+    """Raise PromptError unless every entry is an int (not a bool) in [0, vocab_size); `what` names
+    them."""
     not_ints = [t for t in token_ids if not _is_int(t)]
     if not_ints:
         raise PromptError(f"{what} must be integers, got {not_ints[:5]!r}")
@@ -172,21 +200,26 @@ def check_token_ids(token_ids: Sequence[Any], vocab_size: int, what: str = "prom
         raise PromptError(f"{what} {bad[:5]} are outside the vocabulary [0, {vocab_size})")
 
 
-def check_prompt(prompt_ids: Sequence[Any], *, vocab_size: int | None = None,
-                 max_model_len: int | None = None) -> None:
+def check_prompt(
+    prompt_ids: Sequence[Any], *, vocab_size: int | None = None, max_model_len: int | None = None
+) -> None:
     """The prompt admission checks, in this order: non-empty; with `vocab_size`, every id an int in
-    [0, vocab_size); with `max_model_len`, fewer tokens than the context (one output token must fit).
-    Raises PromptError (a ValueError)."""
+    [0, vocab_size); with `max_model_len`, fewer tokens than the context (one output token must
+    fit). Raises PromptError (a ValueError)."""
     if not prompt_ids:
         raise PromptError("the prompt is empty")
     if vocab_size is not None:
         check_token_ids(prompt_ids, vocab_size)
     if max_model_len is not None and len(prompt_ids) >= max_model_len:
-        raise PromptError(f"the prompt has {len(prompt_ids)} tokens; this engine's context is {max_model_len} "
-                          "tokens (prompt plus at least one output token)")
+        raise PromptError(
+            f"the prompt has {len(prompt_ids)} tokens; this engine's context is {max_model_len} "
+            "tokens (prompt plus at least one output token)"
+        )
 
 
-def find_stop_string(text: str, stops: tuple[str, ...], new_text_len: int) -> tuple[int, str] | None:
+def find_stop_string(
+    text: str, stops: tuple[str, ...], new_text_len: int
+) -> tuple[int, str] | None:
     """Find a stop string that overlaps the last `new_text_len` characters of `text`.
 
     Returns (index where it starts in `text`, the stop string) for the earliest-starting match

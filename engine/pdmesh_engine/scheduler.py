@@ -1,10 +1,12 @@
-"""Continuous batching with chunked prefill: `schedule()` and `update_from_output()`, pure and deterministic.
+"""Continuous batching with chunked prefill: `schedule()` and `update_from_output()`, pure and
+deterministic.
 
 Each step gets a token budget. Running requests go first (a decode takes one token, an unfinished
 prefill takes a chunk), then waiting requests in arrival order, which reuse cached prefix blocks.
 When blocks run out, the latest running request is preempted and recomputed later.
 No sockets, no devices: the model runner turns a `SchedulerOutput` into a forward pass.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -25,17 +27,17 @@ class SchedulerConfig:
 @dataclass(slots=True)
 class ScheduledRequest:
     request_id: str
-    token_ids: list[int]        # tokens computed this step
-    start_position: int         # position of token_ids[0] (= num_computed_tokens before the step)
-    block_ids: list[int]        # every block the request holds
-    needs_sample: bool          # the chunk reaches the last known token: sample the next one
+    token_ids: list[int]  # tokens computed this step
+    start_position: int  # position of token_ids[0] (= num_computed_tokens before the step)
+    block_ids: list[int]  # every block the request holds
+    needs_sample: bool  # the chunk reaches the last known token: sample the next one
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest]       # single-token decodes first, then longer chunks
+    scheduled: list[ScheduledRequest]  # single-token decodes first, then longer chunks
     preempted_ids: list[str] = field(default_factory=list)
-    finished_ids: list[str] = field(default_factory=list)   # finished since the previous step
+    finished_ids: list[str] = field(default_factory=list)  # finished since the previous step
 
     @property
     def num_tokens(self) -> int:
@@ -56,6 +58,7 @@ class SampledToken:
 @dataclass(slots=True)
 class StepOutput:
     """What one step produced for one request."""
+
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[float]
@@ -73,7 +76,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.waiting_for_kv: dict[str, Request] = {}
-        self.held: dict[str, Request] = {}       # finished, blocks kept until release_held()
+        self.held: dict[str, Request] = {}  # finished, blocks kept until release_held()
         self._finished_ids: list[str] = []
 
     # ----- admission -----
@@ -108,8 +111,16 @@ class Scheduler:
             status = request.check_stop(self.config.max_model_len)
             if status is not None:
                 self.finish(request_id, status)
-                return StepOutput(request_id, [], [], [], status.value, request.stop_reason,
-                                  request.num_prompt_tokens, request.num_cached_tokens)
+                return StepOutput(
+                    request_id,
+                    [],
+                    [],
+                    [],
+                    status.value,
+                    request.stop_reason,
+                    request.num_prompt_tokens,
+                    request.num_cached_tokens,
+                )
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
         return None
@@ -171,8 +182,13 @@ class Scheduler:
 
     def _scheduled(self, request: Request, num_new: int, blocks: list[int]) -> ScheduledRequest:
         start = request.num_computed_tokens
-        return ScheduledRequest(request.request_id, request.all_token_ids[start:start + num_new], start,
-                                blocks, start + num_new == request.num_tokens)
+        return ScheduledRequest(
+            request.request_id,
+            request.all_token_ids[start : start + num_new],
+            start,
+            blocks,
+            start + num_new == request.num_tokens,
+        )
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
@@ -181,15 +197,19 @@ class Scheduler:
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[StepOutput]:
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[str, SampledToken]
+    ) -> list[StepOutput]:
         """Advance computed counts, append sampled tokens, finish requests that stop."""
         results: list[StepOutput] = []
         for item in output.scheduled:
             request = self.requests.get(item.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
-                continue              # aborted while the step ran
+                continue  # aborted while the step ran
             request.num_computed_tokens += len(item.token_ids)
-            self.kv.cache_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
+            self.kv.cache_blocks(
+                request.request_id, request.all_token_ids, request.num_computed_tokens
+            )
             token = sampled.get(item.request_id)
             if token is None:
                 continue
@@ -205,14 +225,21 @@ class Scheduler:
 
     def _step_output(self, request: Request, token: SampledToken) -> StepOutput:
         status = request.status
-        return StepOutput(request.request_id, [token.token_id],
-                          [token.logprob] if token.logprob is not None else [],
-                          [list(token.top_logprobs)] if token.logprob is not None else [],
-                          status.value if status.is_finished else None, request.stop_reason,
-                          request.num_prompt_tokens, request.num_cached_tokens)
+        return StepOutput(
+            request.request_id,
+            [token.token_id],
+            [token.logprob] if token.logprob is not None else [],
+            [list(token.top_logprobs)] if token.logprob is not None else [],
+            status.value if status.is_finished else None,
+            request.stop_reason,
+            request.num_prompt_tokens,
+            request.num_cached_tokens,
+        )
 
     # ----- ending requests -----
-    def finish(self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> bool:
+    def finish(
+        self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None
+    ) -> bool:
         """End a request (stop, length or abort) and return its blocks; False if unknown."""
         request = self.requests.pop(request_id, None)
         if request is None:
@@ -263,4 +290,6 @@ class Scheduler:
         held = set(self.kv.req_blocks)
         live = {r.request_id for r in self.running} | set(self.waiting_for_kv) | set(self.held)
         if not held <= live | {r.request_id for r in self.waiting}:
-            raise AssertionError(f"blocks held by requests that are not live: {sorted(held - live)[:5]}")
+            raise AssertionError(
+                f"blocks held by requests that are not live: {sorted(held - live)[:5]}"
+            )

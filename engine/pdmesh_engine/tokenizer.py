@@ -5,6 +5,7 @@ present) and renders chat templates with a sandboxed jinja2 environment like Hug
 `IncrementalDetokenizer` turns a stream of generated ids into text deltas that never split a
 multi-byte character (the prefix/read-offset technique of vLLM).
 """
+
 from __future__ import annotations
 
 import json
@@ -71,15 +72,23 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: Any = None, sort_keys: bool = False) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 @lru_cache(maxsize=16)
 def _compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -92,40 +101,70 @@ def _compile_template(source: str) -> jinja2.Template:
 class Tokenizer:
     """Encode/decode/chat-template for one model; build it with `Tokenizer.from_dir`."""
 
-    def __init__(self, tokenizer: _HFTokenizer, bos_token: str | None = None, eos_token: str | None = None,
-                 add_bos_token: bool | None = None, chat_template: str | None = None,
-                 extra_eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        tokenizer: _HFTokenizer,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        add_bos_token: bool | None = None,
+        chat_template: str | None = None,
+        extra_eos_token_ids: Sequence[int] = (),
+    ) -> None:
         self._tok = tokenizer
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.chat_template = chat_template
         self._bos_id = tokenizer.token_to_id(bos_token) if bos_token else None
         eos_id = tokenizer.token_to_id(eos_token) if eos_token else None
-        eos = ([eos_id] if eos_id is not None else []) + [i for i in extra_eos_token_ids if i != eos_id]
+        eos = ([eos_id] if eos_id is not None else []) + [
+            i for i in extra_eos_token_ids if i != eos_id
+        ]
         self._eos_ids = tuple(dict.fromkeys(eos))
         # Prepend BOS ourselves only if asked to and tokenizer.json's post-processor does not.
         processor_adds_bos = self._bos_id is not None and self._bos_id in tokenizer.encode("").ids
-        self._prepend_bos = bool(add_bos_token) and self._bos_id is not None and not processor_adds_bos
+        self._prepend_bos = (
+            bool(add_bos_token) and self._bos_id is not None and not processor_adds_bos
+        )
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
         path = Path(model_dir)
         tok_path = path / "tokenizer.json"
         if not tok_path.is_file():
-            raise CheckpointError(f"{model_dir}: no tokenizer.json (only fast tokenizers are supported)")
+            raise CheckpointError(
+                f"{model_dir}: no tokenizer.json (only fast tokenizers are supported)"
+            )
         try:
             tokenizer = _HFTokenizer.from_file(str(tok_path))
         except Exception as e:  # the Rust library raises plain Exception subclasses
             raise CheckpointError(f"{tok_path}: cannot load ({e})") from e
-        cfg = read_json(path / "tokenizer_config.json") if (path / "tokenizer_config.json").is_file() else {}
+        cfg = (
+            read_json(path / "tokenizer_config.json")
+            if (path / "tokenizer_config.json").is_file()
+            else {}
+        )
         template = _pick_chat_template(cfg.get("chat_template"))
         if template is None and (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text(encoding="utf-8")
-        gen = read_json(path / "generation_config.json") if (path / "generation_config.json").is_file() else {}
+        gen = (
+            read_json(path / "generation_config.json")
+            if (path / "generation_config.json").is_file()
+            else {}
+        )
         gen_eos = gen.get("eos_token_id")
-        extra_eos = gen_eos if isinstance(gen_eos, list) else ([gen_eos] if isinstance(gen_eos, int) else [])
-        return cls(tokenizer, bos_token=_token_str(cfg.get("bos_token")), eos_token=_token_str(cfg.get("eos_token")),
-                   add_bos_token=cfg.get("add_bos_token"), chat_template=template, extra_eos_token_ids=extra_eos)
+        extra_eos = (
+            gen_eos
+            if isinstance(gen_eos, list)
+            else ([gen_eos] if isinstance(gen_eos, int) else [])
+        )
+        return cls(
+            tokenizer,
+            bos_token=_token_str(cfg.get("bos_token")),
+            eos_token=_token_str(cfg.get("eos_token")),
+            add_bos_token=cfg.get("add_bos_token"),
+            chat_template=template,
+            extra_eos_token_ids=extra_eos,
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -155,23 +194,34 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
-        """Render a conversation to the prompt text (special tokens included, BOS too if the template adds it).
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """Render a conversation to the prompt text (special tokens included, BOS too if the
+        template adds it).
 
-        Encode the result with `add_special_tokens=False` (or use `encode_chat`) to avoid a second BOS.
+        Encode the result with `add_special_tokens=False` (or use `encode_chat`) to avoid a second
+        BOS.
         """
         template = _compile_template(self.chat_template or DEFAULT_CHAT_TEMPLATE)
         try:
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+            return template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **kwargs,
+            )
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"chat template: {e}") from e
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    **kwargs: Any) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
         """Token ids of the rendered conversation (the template's own special tokens only)."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        text = self.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, **kwargs
+        )
         return self.encode(text, add_special_tokens=False)
 
 
@@ -183,15 +233,18 @@ class IncrementalDetokenizer:
     when the decoded window grows and does not end in U+FFFD (an incomplete UTF-8 character).
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (),
-                 skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self._ids: list[int] = list(prompt_ids)
         self._num_prompt = len(self._ids)
         self._prefix_offset = max(len(self._ids) - _INITIAL_CONTEXT_TOKENS, 0)
         self._read_offset = len(self._ids)
-        context = tokenizer.decode(self._ids[self._prefix_offset:], skip_special_tokens=skip_special_tokens)
+        context = tokenizer.decode(
+            self._ids[self._prefix_offset :], skip_special_tokens=skip_special_tokens
+        )
         if context.endswith(_REPLACEMENT_CHAR):
             # The prompt ends inside a character: that fragment is not part of the output's text.
             self._prefix_offset = self._read_offset
@@ -199,7 +252,7 @@ class IncrementalDetokenizer:
 
     @property
     def output_ids(self) -> list[int]:
-        return self._ids[self._num_prompt:]
+        return self._ids[self._num_prompt :]
 
     @property
     def text(self) -> str:
@@ -208,13 +261,17 @@ class IncrementalDetokenizer:
 
     def _window_delta(self, allow_incomplete: bool) -> str:
         decode = self._tokenizer.decode
-        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset], skip_special_tokens=self._skip)
-        new_text = decode(self._ids[self._prefix_offset:], skip_special_tokens=self._skip)
-        if len(new_text) <= len(prefix_text) or (new_text.endswith(_REPLACEMENT_CHAR) and not allow_incomplete):
+        prefix_text = decode(
+            self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip
+        )
+        new_text = decode(self._ids[self._prefix_offset :], skip_special_tokens=self._skip)
+        if len(new_text) <= len(prefix_text) or (
+            new_text.endswith(_REPLACEMENT_CHAR) and not allow_incomplete
+        ):
             return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        delta = new_text[len(prefix_text):]
+        delta = new_text[len(prefix_text) :]
         self._text.append(delta)
         return delta
 
@@ -224,5 +281,6 @@ class IncrementalDetokenizer:
         return self._window_delta(allow_incomplete=False)
 
     def flush(self) -> str:
-        """At the end of the stream: emit what is held back, even an incomplete character (as U+FFFD)."""
+        """At the end of the stream: emit what is held back, even an incomplete character (as
+        U+FFFD)."""
         return self._window_delta(allow_incomplete=True)

@@ -1,4 +1,5 @@
-"""Triton kernels for the engine's hot ops, each beside a plain-torch reference of the same signature.
+"""Triton kernels for the engine's hot ops, each beside a plain-torch reference of the same
+signature.
 
 - `mla_decode`: MLA (absorbed form) decode attention over the paged latent KV cache.
 - `moe`: routed-expert SwiGLU MLPs as a grouped GEMM over rows sorted by expert, and `fused_moe`.
@@ -9,6 +10,7 @@ the tensors are on CUDA and Triton is importable (`HAS_TRITON`). Without Triton 
 references still work. On CPU the Triton kernels run only under the Triton interpreter
 (TRITON_INTERPRET=1 set before triton is first imported), which is how the tests check them.
 """
+
 from __future__ import annotations
 
 from .mla_decode import (

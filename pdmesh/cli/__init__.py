@@ -1,1 +1,2 @@
-"""The `pdmesh` command: argparse front end; each subcommand parses, calls a library function, prints."""
+"""The `pdmesh` command: argparse front end; each subcommand parses, calls a library function,
+prints."""

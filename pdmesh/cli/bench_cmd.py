@@ -2,6 +2,7 @@
 
 A benchmark's module is imported only when it runs, so other commands stay quick to start.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,5 @@
 """`pdmesh client generate`: one request to a running gateway through the client SDK."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,16 +18,22 @@ def register(commands: argparse._SubParsersAction) -> None:
     source.add_argument("--prompt", help="text prompt")
     source.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
     g.add_argument("--max-tokens", type=int, default=16)
-    g.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the server's, 1.0)")
+    g.add_argument(
+        "--temperature", type=float, default=None, help="0 = greedy (default: the server's, 1.0)"
+    )
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    g.add_argument("--logprobs", type=int, default=None, help="return this many top alternatives per token")
+    g.add_argument(
+        "--logprobs", type=int, default=None, help="return this many top alternatives per token"
+    )
     g.add_argument("--model", default="", help="model name (default: the deployment's only model)")
     g.add_argument("--timeout", type=float, default=60.0, help="seconds for the whole call")
     g.add_argument("--stream", action="store_true", help="print the text as it is generated")
-    g.add_argument("--json", action="store_true", help="print JSON (one object per chunk with --stream)")
+    g.add_argument(
+        "--json", action="store_true", help="print JSON (one object per chunk with --stream)"
+    )
     g.set_defaults(run=run_generate)
 
 
@@ -40,8 +47,16 @@ def _prompt(args: argparse.Namespace) -> str | list[int]:
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                seed=args.seed, stop=args.stop, logprobs=args.logprobs, model=args.model)
+    return dict(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+        logprobs=args.logprobs,
+        model=args.model,
+    )
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -70,8 +85,11 @@ def _print_stream(chunks, as_json: bool) -> None:
     if not as_json:
         print()
         if last is not None and last.usage is not None:
-            print(f"[finish={last.finish_reason} prompt_tokens={last.usage.prompt_tokens} "
-                  f"completion_tokens={last.usage.completion_tokens}]", file=sys.stderr)
+            print(
+                f"[finish={last.finish_reason} prompt_tokens={last.usage.prompt_tokens} "
+                f"completion_tokens={last.usage.completion_tokens}]",
+                file=sys.stderr,
+            )
 
 
 def _print_completion(completion, as_json: bool) -> None:

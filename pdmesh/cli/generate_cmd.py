@@ -1,4 +1,5 @@
 """`pdmesh generate`: offline batched generation with the engine."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,8 +10,18 @@ from typing import Any
 from pdmesh.cli.options import resolve_model
 from pdmesh_service.worker.engine_options import add_engine_options, engine_config
 
-_SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "logprobs",
-                   "ignore_eos", "min_tokens")
+_SAMPLING_FLAGS = (
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "stop",
+    "logprobs",
+    "ignore_eos",
+    "min_tokens",
+)
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -18,8 +29,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one text prompt")
     source.add_argument("--prompt-ids", help="one prompt as comma-separated token ids, e.g. 1,2,3")
-    source.add_argument("--prompts-file", type=Path,
-                        help='JSONL: {"prompt": ...} or {"prompt_ids": [...]} plus optional sampling fields')
+    source.add_argument(
+        "--prompts-file",
+        type=Path,
+        help='JSONL: {"prompt": ...} or {"prompt_ids": [...]} plus optional sampling fields',
+    )
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
@@ -28,9 +42,13 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--min-tokens", type=int, default=0)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--logprobs", type=int, default=None, help="return this many top alternatives per token")
+    p.add_argument(
+        "--logprobs", type=int, default=None, help="return this many top alternatives per token"
+    )
     p.add_argument("--ignore-eos", action="store_true", default=False)
-    p.add_argument("--json", action="store_true", help="print one JSON object per prompt, in input order")
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object per prompt, in input order"
+    )
     add_engine_options(p)
     p.set_defaults(run=run)
 
@@ -52,7 +70,9 @@ def read_prompts(args: argparse.Namespace) -> list[dict[str, Any]]:
         except json.JSONDecodeError as e:
             raise ValueError(f"{args.prompts_file}:{number}: not valid JSON ({e})") from e
         if not isinstance(item, dict) or ("prompt" in item) == ("prompt_ids" in item):
-            raise ValueError(f"{args.prompts_file}:{number}: needs exactly one of 'prompt' or 'prompt_ids'")
+            raise ValueError(
+                f"{args.prompts_file}:{number}: needs exactly one of 'prompt' or 'prompt_ids'"
+            )
         lines.append(item)
     if not lines:
         raise ValueError(f"{args.prompts_file}: no prompts")
@@ -76,8 +96,13 @@ def run(args: argparse.Namespace) -> int:
     outputs = llm.generate(items, params)
     for out in outputs:
         if args.json:
-            record = {"token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason,
-                      "prompt_tokens": len(out.prompt_token_ids), "cached_tokens": out.num_cached_tokens}
+            record = {
+                "token_ids": out.token_ids,
+                "text": out.text,
+                "finish_reason": out.finish_reason,
+                "prompt_tokens": len(out.prompt_token_ids),
+                "cached_tokens": out.num_cached_tokens,
+            }
             if out.logprobs:
                 record["logprobs"] = out.logprobs
                 record["top_logprobs"] = out.top_logprobs

@@ -1,4 +1,5 @@
 """`pdmesh` entry point: subcommands are registered by the modules beside this one."""
+
 from __future__ import annotations
 
 import argparse
@@ -8,11 +9,20 @@ from pdmesh_engine.config import CheckpointError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pdmesh.cli import (bench_cmd, client_cmd, eplb_cmd, generate_cmd, model_cmd, serve_cmd,
-                            up_cmd)
+    from pdmesh.cli import (
+        bench_cmd,
+        client_cmd,
+        eplb_cmd,
+        generate_cmd,
+        model_cmd,
+        serve_cmd,
+        up_cmd,
+    )
 
     parser = argparse.ArgumentParser(
-        prog="pdmesh", description="Serve Mixture-of-Experts models with prefill/decode disaggregation.")
+        prog="pdmesh",
+        description="Serve Mixture-of-Experts models with prefill/decode disaggregation.",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     model_cmd.register(commands)
     generate_cmd.register(commands)

@@ -1,4 +1,5 @@
 """The `pdmesh` command's model default: the cached default checkpoint, generated on first use."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -4,6 +4,7 @@ Run as a script in an isolated interpreter (`python -I -S corpus.py`), it prints
 list; only the standard library is importable there, so nothing can patch what it reads.
 Deterministic for a given Python version.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -15,11 +16,50 @@ from typing import Any
 
 # Standard-library modules whose docstrings are the training text (present on every Python).
 CORPUS_MODULES = (
-    "abc", "argparse", "ast", "base64", "bisect", "calendar", "collections", "configparser", "contextlib",
-    "copy", "csv", "dataclasses", "datetime", "decimal", "difflib", "doctest", "email.message", "enum",
-    "fractions", "functools", "heapq", "html", "http.client", "inspect", "ipaddress", "itertools", "json",
-    "logging", "operator", "optparse", "pathlib", "pprint", "random", "re", "shlex", "statistics", "string",
-    "tarfile", "textwrap", "typing", "unittest", "urllib.parse", "uuid", "zipfile",
+    "abc",
+    "argparse",
+    "ast",
+    "base64",
+    "bisect",
+    "calendar",
+    "collections",
+    "configparser",
+    "contextlib",
+    "copy",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "difflib",
+    "doctest",
+    "email.message",
+    "enum",
+    "fractions",
+    "functools",
+    "heapq",
+    "html",
+    "http.client",
+    "inspect",
+    "ipaddress",
+    "itertools",
+    "json",
+    "logging",
+    "operator",
+    "optparse",
+    "pathlib",
+    "pprint",
+    "random",
+    "re",
+    "shlex",
+    "statistics",
+    "string",
+    "tarfile",
+    "textwrap",
+    "typing",
+    "unittest",
+    "urllib.parse",
+    "uuid",
+    "zipfile",
 )
 
 
@@ -35,18 +75,22 @@ def _member_docs(module: Any) -> list[str]:
         if inspect.isclass(obj):
             for name, member in sorted(vars(obj).items()):
                 func = getattr(member, "fget", None) or getattr(member, "__func__", None) or member
-                if name.startswith("_") or not (inspect.isroutine(member) or isinstance(member, property)):
+                if name.startswith("_") or not (
+                    inspect.isroutine(member) or isinstance(member, property)
+                ):
                     continue
-                if getattr(func, "__module__", None) in (None, module.__name__):   # skip monkeypatched ones
+                # skip monkeypatched ones
+                if getattr(func, "__module__", None) in (None, module.__name__):
                     docs.append(inspect.getdoc(member) or "")
     return [d for d in docs if d]
 
 
 def gather() -> list[str]:
-    """Docstrings of CORPUS_MODULES and their public classes, functions and methods (deterministic)."""
+    """Docstrings of CORPUS_MODULES and their public classes, functions and methods
+    (deterministic)."""
     texts: list[str] = []
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")   # e.g. typing.io's deprecation, triggered by getattr
+        warnings.simplefilter("ignore")  # e.g. typing.io's deprecation, triggered by getattr
         for name in sorted(CORPUS_MODULES):
             module = importlib.import_module(name)
             texts += [inspect.getdoc(module) or ""] + _member_docs(module)

@@ -29,6 +29,7 @@ hottest expert (unskewed: 1.6-2.4x), with log-log slopes of the sorted shares of
 
 Legend: E routed experts, G router groups, D hidden size, N captured router inputs (tokens).
 """
+
 from __future__ import annotations
 
 import copy
@@ -44,14 +45,14 @@ if TYPE_CHECKING:
     from pdmesh_engine.llm import LLM
     from pdmesh_engine.tokenizer import Tokenizer
 
-SKEW_STEPS = 150           # bias updates of a layer's first fit
-SKEW_REFIT_STEPS = 50      # bias updates of each later fit (it starts from the previous bias)
-SKEW_RATE = 0.05           # bias step per unit of log(target / measured) pick frequency
-SKEW_ROUNDS = 2            # capture-and-fit passes over all layers
+SKEW_STEPS = 150  # bias updates of a layer's first fit
+SKEW_REFIT_STEPS = 50  # bias updates of each later fit (it starts from the previous bias)
+SKEW_RATE = 0.05  # bias step per unit of log(target / measured) pick frequency
+SKEW_ROUNDS = 2  # capture-and-fit passes over all layers
 SKEW_MAX_FREQUENCY = 0.97  # the most often one expert may be picked
-SKEW_MAX_BIAS = 1.0        # |bias| bound: sigmoid scores lie in (0, 1), so more is never needed
-CALIBRATION_PROMPTS = 32   # calibration texts (every k-th corpus docstring, in corpus order)
-CALIBRATION_TOKENS = 64    # tokens kept of each
+SKEW_MAX_BIAS = 1.0  # |bias| bound: sigmoid scores lie in (0, 1), so more is never needed
+CALIBRATION_PROMPTS = 32  # calibration texts (every k-th corpus docstring, in corpus order)
+CALIBRATION_TOKENS = 64  # tokens kept of each
 _BIAS = ".mlp.gate.e_score_correction_bias"
 
 
@@ -59,11 +60,10 @@ def zipf_frequencies(num_experts: int, top_k: int, zipf_s: float) -> torch.Tenso
     """[E] float64: target pick frequency of rank r = 1..E, min(c·r^-s, SKEW_MAX_FREQUENCY),
     summing to top_k."""
     if not 0 < top_k <= num_experts * SKEW_MAX_FREQUENCY or zipf_s < 0:
-        raise ValueError(f"cannot skew top-{top_k} of {num_experts} experts with exponent "
-                         f"{zipf_s}")
+        raise ValueError(f"cannot skew top-{top_k} of {num_experts} experts with exponent {zipf_s}")
     weights = torch.arange(1, num_experts + 1, dtype=torch.float64) ** -zipf_s
     lo, hi = 0.0, top_k / float(weights.min())
-    for _ in range(100):                       # bisection on c: the capped sum grows with it
+    for _ in range(100):  # bisection on c: the capped sum grows with it
         mid = (lo + hi) / 2
         capped_sum = float((weights * mid).clamp(max=SKEW_MAX_FREQUENCY).sum())
         lo, hi = (mid, hi) if capped_sum < top_k else (lo, mid)
@@ -80,9 +80,9 @@ def expert_ranking(seed: int, layer: int, num_experts: int, num_groups: int) -> 
     if num_groups < 1 or num_experts % num_groups:
         raise ValueError(f"{num_experts} experts do not split into {num_groups} groups")
     gen, per_group = _generator(seed, layer), num_experts // num_groups
-    group_order = torch.randperm(num_groups, generator=gen)                     # [G]
-    within = torch.stack([torch.randperm(per_group, generator=gen)
-                          for _ in range(num_groups)])                           # [G, E/G]
+    group_order = torch.randperm(num_groups, generator=gen)  # [G]
+    # [G, E/G]
+    within = torch.stack([torch.randperm(per_group, generator=gen) for _ in range(num_groups)])
     return (group_order[:, None] * per_group + within).flatten()
 
 
@@ -96,8 +96,9 @@ def layer_targets(config: ModelConfig, seed: int, layer: int, zipf_s: float) -> 
 
 
 @torch.no_grad()
-def fit_bias(router: torch.nn.Module, x: torch.Tensor, target: torch.Tensor,
-             num_steps: int = SKEW_STEPS) -> torch.Tensor:
+def fit_bias(
+    router: torch.nn.Module, x: torch.Tensor, target: torch.Tensor, num_steps: int = SKEW_STEPS
+) -> torch.Tensor:
     """Fits `router.e_score_correction_bias` [E] in place so router(x [N, D]) picks each expert
     with frequency `target` [E]; starts from the router's current bias; returns it (float32).
 
@@ -106,11 +107,11 @@ def fit_bias(router: torch.nn.Module, x: torch.Tensor, target: torch.Tensor,
     """
     num_tokens, num_experts = x.shape[0], target.shape[0]
     proxy = copy.deepcopy(router).float()
-    logits = torch.nn.functional.linear(x.float(), proxy.weight)            # [N, E]
+    logits = torch.nn.functional.linear(x.float(), proxy.weight)  # [N, E]
     proxy.weight = torch.nn.Parameter(torch.eye(num_experts))
     bias = router.e_score_correction_bias.detach().double().clone()
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)     # steps on [N, E] are too small to split: threads only contend
+    torch.set_num_threads(1)  # steps on [N, E] are too small to split: threads only contend
     try:
         for _ in range(num_steps):
             proxy.e_score_correction_bias.data.copy_(bias)
@@ -139,20 +140,25 @@ def _capture_router_inputs(llm: LLM, prompts: list[list[int]]) -> list[torch.Ten
 
     moe = llm.engine.runner.model.moe_layers
     captured: list[list[torch.Tensor]] = [[] for _ in moe]
-    hooks = [m.gate.register_forward_pre_hook(
-        lambda _m, args, i=i: captured[i].append(args[0].detach().float()))
-        for i, m in enumerate(moe)]
+    hooks = [
+        m.gate.register_forward_pre_hook(
+            lambda _m, args, i=i: captured[i].append(args[0].detach().float())
+        )
+        for i, m in enumerate(moe)
+    ]
     try:
-        llm.generate([{"prompt_ids": p} for p in prompts],
-                     SamplingParams(max_tokens=1, temperature=0.0))
+        llm.generate(
+            [{"prompt_ids": p} for p in prompts], SamplingParams(max_tokens=1, temperature=0.0)
+        )
     finally:
         for h in hooks:
             h.remove()
     return [torch.cat(c) for c in captured]
 
 
-def _fit_main_layers(llm: LLM, seed: int, zipf_s: float,
-                     log: Callable[[str], None]) -> dict[int, torch.Tensor]:
+def _fit_main_layers(
+    llm: LLM, seed: int, zipf_s: float, log: Callable[[str], None]
+) -> dict[int, torch.Tensor]:
     """{layer id: fitted bias [E]} of the main model's MoE layers (see the module docstring)."""
     config = llm.engine.model_config
     moe, layer_ids = llm.engine.runner.model.moe_layers, config.moe_layer_ids
@@ -164,8 +170,10 @@ def _fit_main_layers(llm: LLM, seed: int, zipf_s: float,
         steps = SKEW_REFIT_STEPS if round_index else SKEW_STEPS
         for layer_id, m, x, target in zip(layer_ids, moe, inputs, targets, strict=True):
             biases[layer_id] = fit_bias(m.gate, x, target, steps)
-    log(f"fitted expert skew {zipf_s} on {inputs[0].shape[0]} calibration tokens, "
-        f"{len(layer_ids)} MoE layers")
+    log(
+        f"fitted expert skew {zipf_s} on {inputs[0].shape[0]} calibration tokens, "
+        f"{len(layer_ids)} MoE layers"
+    )
     return biases
 
 
@@ -175,16 +183,20 @@ def _fit_mtp_layers(llm: LLM, seed: int, zipf_s: float) -> dict[int, torch.Tenso
     biases: dict[int, torch.Tensor] = {}
     for k, mtp in enumerate(llm.engine.runner.model.mtp):
         layer_id = config.num_hidden_layers + k
-        x = torch.randn(CALIBRATION_PROMPTS * CALIBRATION_TOKENS, config.hidden_size,
-                        generator=_generator(seed + 1, layer_id))
+        x = torch.randn(
+            CALIBRATION_PROMPTS * CALIBRATION_TOKENS,
+            config.hidden_size,
+            generator=_generator(seed + 1, layer_id),
+        )
         x = x * mtp.block.post_attention_layernorm.weight.detach().float()
         target = layer_targets(config, seed, layer_id, zipf_s)
         biases[layer_id] = fit_bias(mtp.block.mlp.gate.float(), x, target)
     return biases
 
 
-def apply_expert_skew(model_dir: str | Path, zipf_s: float, seed: int,
-                      log: Callable[[str], None] = lambda _msg: None) -> None:
+def apply_expert_skew(
+    model_dir: str | Path, zipf_s: float, seed: int, log: Callable[[str], None] = lambda _msg: None
+) -> None:
     """Refits every MoE router bias of the checkpoint in `model_dir` (written, not yet in use) so
     expert popularity follows Zipf(zipf_s) with a per-layer ranking; rewrites the files holding
     them. ValueError when a router is missing from the engine or from the files."""

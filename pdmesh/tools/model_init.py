@@ -13,6 +13,7 @@ multi-token-prediction layer at index `num_hidden_layers` as DeepSeek-V3 ships i
 popularity follows a Zipf law of exponent s with a seeded ranking per layer (see `expert_skew.py`);
 0, the default, leaves the checkpoint byte-identical to an unskewed one.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,56 +24,96 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
+from pdmesh.tools.tokenizer_train import BOS_ID, EOS_ID, tokenizer_config, train_tokenizer
 from pdmesh_engine.checkpoint import DTYPES
 from pdmesh_engine.config import ModelConfig
-from pdmesh.tools.tokenizer_train import BOS_ID, EOS_ID, tokenizer_config, train_tokenizer
 
 INIT_FORMAT_VERSION = 1
 DEFAULT_MAX_SHARD_BYTES = 500_000_000
-# Initialisation (see weight_specs): linear layers N(0, 1/fan_in), embeddings N(0, 1); the scales below
-# keep logits and router scores well spread (no near-ties).
-LOGIT_STD = 2.0            # std of a logit for a unit-RMS final hidden state
-ROUTER_LOGIT_STD = 1.0     # std of a router logit before the sigmoid
-BIAS_STD = 0.05            # e_score_correction_bias ~ N(0, BIAS_STD)
-NORM_JITTER = 0.1          # norm weights ~ 1 + N(0, NORM_JITTER), so a skipped norm weight shows
+# Initialisation (see weight_specs): linear layers N(0, 1/fan_in), embeddings N(0, 1); the scales
+# below keep logits and router scores well spread (no near-ties).
+LOGIT_STD = 2.0  # std of a logit for a unit-RMS final hidden state
+ROUTER_LOGIT_STD = 1.0  # std of a router logit before the sigmoid
+BIAS_STD = 0.05  # e_score_correction_bias ~ N(0, BIAS_STD)
+NORM_JITTER = 0.1  # norm weights ~ 1 + N(0, NORM_JITTER), so a skipped norm weight shows
 
-_COMMON = dict(n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5,
-               rms_norm_eps=1e-6, rope_theta=10000.0, rope_interleave=True, num_nextn_predict_layers=1)
+_COMMON = dict(
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    rope_interleave=True,
+    num_nextn_predict_layers=1,
+)
 
 PRESETS: dict[str, dict[str, Any]] = {
     # For tests: ~0.4M parameters, 3 MoE layers of 8 experts (top-2 from 1 of 2 groups).
-    "tiny": dict(_COMMON, vocab_size=1024, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                 num_hidden_layers=4, num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2,
-                 n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16,
-                 qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=2048),
-    # For benchmarks: ~157M parameters, ~28M active per token; 11 MoE layers of 64 fine-grained experts
-    # (top-4 from 4 of 8 groups, DeepSeek-V3's ratios), MLA with a 128+32 latent cache.
-    "small": dict(_COMMON, vocab_size=8192, hidden_size=512, intermediate_size=1536, moe_intermediate_size=128,
-                  num_hidden_layers=12, num_attention_heads=8, n_routed_experts=64, num_experts_per_tok=4,
-                  n_group=8, topk_group=4, q_lora_rank=192, kv_lora_rank=128, qk_rope_head_dim=32,
-                  qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=4096),
+    "tiny": dict(
+        _COMMON,
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        max_position_embeddings=2048,
+    ),
+    # For benchmarks: ~157M parameters, ~28M active per token; 11 MoE layers of 64 fine-grained
+    # experts (top-4 from 4 of 8 groups, DeepSeek-V3's ratios), MLA with a 128+32 latent cache.
+    "small": dict(
+        _COMMON,
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1536,
+        moe_intermediate_size=128,
+        num_hidden_layers=12,
+        num_attention_heads=8,
+        n_routed_experts=64,
+        num_experts_per_tok=4,
+        n_group=8,
+        topk_group=4,
+        q_lora_rank=192,
+        kv_lora_rank=128,
+        qk_rope_head_dim=32,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        max_position_embeddings=4096,
+    ),
 }
 
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One checkpoint tensor: how to create it, and whether it counts as main, expert or MTP weight."""
+    """One checkpoint tensor: how to create it, and whether it counts as main, expert or MTP
+    weight."""
 
     name: str
     shape: tuple[int, ...]
-    init: str                 # "normal" (std), "norm" (1 + jitter), "bias", or "copy" (of `source`)
+    init: str  # "normal" (std), "norm" (1 + jitter), "bias", or "copy" (of `source`)
     std: float = 0.0
     source: str = ""
-    expert: bool = False      # a routed expert's weight
-    mtp: bool = False         # part of the multi-token-prediction layer
-    fp32: bool = False        # kept float32 whatever the dtype (router, as save_pretrained keeps it)
+    expert: bool = False  # a routed expert's weight
+    mtp: bool = False  # part of the multi-token-prediction layer
+    fp32: bool = False  # kept float32 whatever the dtype (router, as save_pretrained keeps it)
 
     @property
     def numel(self) -> int:
@@ -86,12 +127,25 @@ def preset_config(preset: str, dtype: str = "float32") -> dict[str, Any]:
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPES)}")
     p = PRESETS[preset]
-    return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **p,
-            "num_key_value_heads": p["num_attention_heads"], "topk_method": "noaux_tc", "scoring_func": "sigmoid",
-            "moe_layer_freq": 1, "rope_parameters": {"rope_type": "default", "rope_theta": p["rope_theta"]},
-            "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
-            "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
-            "initializer_range": 0.02, "use_cache": True, "torch_dtype": dtype}
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        **p,
+        "num_key_value_heads": p["num_attention_heads"],
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "moe_layer_freq": 1,
+        "rope_parameters": {"rope_type": "default", "rope_theta": p["rope_theta"]},
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": dtype,
+    }
 
 
 def preset_model_config(preset: str) -> ModelConfig:
@@ -107,9 +161,11 @@ def _norm(name: str, dim: int, **kw: Any) -> TensorSpec:
 
 
 def _mlp(prefix: str, hidden: int, inter: int, **kw: Any) -> list[TensorSpec]:
-    return [_linear(f"{prefix}.gate_proj.weight", inter, hidden, **kw),
-            _linear(f"{prefix}.up_proj.weight", inter, hidden, **kw),
-            _linear(f"{prefix}.down_proj.weight", hidden, inter, **kw)]
+    return [
+        _linear(f"{prefix}.gate_proj.weight", inter, hidden, **kw),
+        _linear(f"{prefix}.up_proj.weight", inter, hidden, **kw),
+        _linear(f"{prefix}.down_proj.weight", hidden, inter, **kw),
+    ]
 
 
 def _layer_specs(c: ModelConfig, i: int, moe: bool, mtp: bool = False) -> list[TensorSpec]:
@@ -117,26 +173,47 @@ def _layer_specs(c: ModelConfig, i: int, moe: bool, mtp: bool = False) -> list[T
     a = f"{p}.self_attn"
     specs = [_norm(f"{p}.input_layernorm.weight", h, mtp=mtp)]
     if c.q_lora_rank:
-        specs += [_linear(f"{a}.q_a_proj.weight", c.q_lora_rank, h, mtp=mtp),
-                  _norm(f"{a}.q_a_layernorm.weight", c.q_lora_rank, mtp=mtp),
-                  _linear(f"{a}.q_b_proj.weight", heads * c.qk_head_dim, c.q_lora_rank, mtp=mtp)]
+        specs += [
+            _linear(f"{a}.q_a_proj.weight", c.q_lora_rank, h, mtp=mtp),
+            _norm(f"{a}.q_a_layernorm.weight", c.q_lora_rank, mtp=mtp),
+            _linear(f"{a}.q_b_proj.weight", heads * c.qk_head_dim, c.q_lora_rank, mtp=mtp),
+        ]
     else:
         specs.append(_linear(f"{a}.q_proj.weight", heads * c.qk_head_dim, h, mtp=mtp))
-    specs += [_linear(f"{a}.kv_a_proj_with_mqa.weight", c.kv_lora_rank + c.qk_rope_head_dim, h, mtp=mtp),
-              _norm(f"{a}.kv_a_layernorm.weight", c.kv_lora_rank, mtp=mtp),
-              _linear(f"{a}.kv_b_proj.weight", heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank, mtp=mtp),
-              _linear(f"{a}.o_proj.weight", h, heads * c.v_head_dim, mtp=mtp),
-              _norm(f"{p}.post_attention_layernorm.weight", h, mtp=mtp)]
+    specs += [
+        _linear(f"{a}.kv_a_proj_with_mqa.weight", c.kv_lora_rank + c.qk_rope_head_dim, h, mtp=mtp),
+        _norm(f"{a}.kv_a_layernorm.weight", c.kv_lora_rank, mtp=mtp),
+        _linear(
+            f"{a}.kv_b_proj.weight",
+            heads * (c.qk_nope_head_dim + c.v_head_dim),
+            c.kv_lora_rank,
+            mtp=mtp,
+        ),
+        _linear(f"{a}.o_proj.weight", h, heads * c.v_head_dim, mtp=mtp),
+        _norm(f"{p}.post_attention_layernorm.weight", h, mtp=mtp),
+    ]
     if not moe:
         return specs + _mlp(f"{p}.mlp", h, c.intermediate_size, mtp=mtp)
     e = c.n_routed_experts
-    specs += [TensorSpec(f"{p}.mlp.gate.weight", (e, h), "normal", std=ROUTER_LOGIT_STD / math.sqrt(h),
-                         mtp=mtp, fp32=True),
-              TensorSpec(f"{p}.mlp.gate.e_score_correction_bias", (e,), "bias", std=BIAS_STD, mtp=mtp, fp32=True)]
+    specs += [
+        TensorSpec(
+            f"{p}.mlp.gate.weight",
+            (e, h),
+            "normal",
+            std=ROUTER_LOGIT_STD / math.sqrt(h),
+            mtp=mtp,
+            fp32=True,
+        ),
+        TensorSpec(
+            f"{p}.mlp.gate.e_score_correction_bias", (e,), "bias", std=BIAS_STD, mtp=mtp, fp32=True
+        ),
+    ]
     for j in range(e):
         specs += _mlp(f"{p}.mlp.experts.{j}", h, c.moe_intermediate_size, expert=True, mtp=mtp)
     if c.n_shared_experts:
-        specs += _mlp(f"{p}.mlp.shared_experts", h, c.moe_intermediate_size * c.n_shared_experts, mtp=mtp)
+        specs += _mlp(
+            f"{p}.mlp.shared_experts", h, c.moe_intermediate_size * c.n_shared_experts, mtp=mtp
+        )
     return specs
 
 
@@ -146,17 +223,32 @@ def weight_specs(c: ModelConfig) -> list[TensorSpec]:
     specs = [TensorSpec("model.embed_tokens.weight", (v, h), "normal", std=1.0)]
     for i in range(c.num_hidden_layers):
         specs += _layer_specs(c, i, moe=i in c.moe_layer_ids)
-    specs += [_norm("model.norm.weight", h),
-              TensorSpec("lm_head.weight", (v, h), "normal", std=LOGIT_STD / math.sqrt(h))]
+    specs += [
+        _norm("model.norm.weight", h),
+        TensorSpec("lm_head.weight", (v, h), "normal", std=LOGIT_STD / math.sqrt(h)),
+    ]
     for k in range(c.num_nextn_predict_layers):
         i = c.num_hidden_layers + k
         p = f"model.layers.{i}"
-        specs += [TensorSpec(f"{p}.embed_tokens.weight", (v, h), "copy", source="model.embed_tokens.weight", mtp=True),
-                  _norm(f"{p}.enorm.weight", h, mtp=True), _norm(f"{p}.hnorm.weight", h, mtp=True),
-                  _linear(f"{p}.eh_proj.weight", h, 2 * h, mtp=True)]
+        specs += [
+            TensorSpec(
+                f"{p}.embed_tokens.weight",
+                (v, h),
+                "copy",
+                source="model.embed_tokens.weight",
+                mtp=True,
+            ),
+            _norm(f"{p}.enorm.weight", h, mtp=True),
+            _norm(f"{p}.hnorm.weight", h, mtp=True),
+            _linear(f"{p}.eh_proj.weight", h, 2 * h, mtp=True),
+        ]
         specs += _layer_specs(c, i, moe=c.has_moe, mtp=True)
-        specs += [_norm(f"{p}.shared_head.norm.weight", h, mtp=True),
-                  TensorSpec(f"{p}.shared_head.head.weight", (v, h), "copy", source="lm_head.weight", mtp=True)]
+        specs += [
+            _norm(f"{p}.shared_head.norm.weight", h, mtp=True),
+            TensorSpec(
+                f"{p}.shared_head.head.weight", (v, h), "copy", source="lm_head.weight", mtp=True
+            ),
+        ]
     return specs
 
 
@@ -168,7 +260,11 @@ def count_parameters(config: ModelConfig) -> tuple[int, int]:
     main = [s for s in weight_specs(config) if not s.mtp]
     total = sum(s.numel for s in main)
     experts = sum(s.numel for s in main if s.expert)
-    unused = experts * (config.n_routed_experts - config.num_experts_per_tok) // max(config.n_routed_experts, 1)
+    unused = (
+        experts
+        * (config.n_routed_experts - config.num_experts_per_tok)
+        // max(config.n_routed_experts, 1)
+    )
     return total, total - unused
 
 
@@ -177,7 +273,9 @@ def count_mtp_parameters(config: ModelConfig) -> int:
     return sum(s.numel for s in weight_specs(config) if s.mtp)
 
 
-def _make_tensor(spec: TensorSpec, gen: torch.Generator, done: dict[str, torch.Tensor]) -> torch.Tensor:
+def _make_tensor(
+    spec: TensorSpec, gen: torch.Generator, done: dict[str, torch.Tensor]
+) -> torch.Tensor:
     if spec.init == "copy":
         return done[spec.source].clone()
     if spec.init == "norm":
@@ -185,7 +283,9 @@ def _make_tensor(spec: TensorSpec, gen: torch.Generator, done: dict[str, torch.T
     return spec.std * torch.randn(spec.shape, generator=gen)
 
 
-def _plan_shards(specs: list[TensorSpec], dtype: torch.dtype, max_shard_bytes: int) -> list[list[TensorSpec]]:
+def _plan_shards(
+    specs: list[TensorSpec], dtype: torch.dtype, max_shard_bytes: int
+) -> list[list[TensorSpec]]:
     shards: list[list[TensorSpec]] = [[]]
     size = 0
     for s in specs:
@@ -198,19 +298,29 @@ def _plan_shards(specs: list[TensorSpec], dtype: torch.dtype, max_shard_bytes: i
     return shards
 
 
-def _write_weights(out: Path, config: ModelConfig, seed: int, dtype: str, max_shard_bytes: int,
-                   log: Callable[[str], None]) -> int:
+def _write_weights(
+    out: Path,
+    config: ModelConfig,
+    seed: int,
+    dtype: str,
+    max_shard_bytes: int,
+    log: Callable[[str], None],
+) -> int:
     """Generate and save the weights; returns the number of bytes written."""
     specs = weight_specs(config)
     torch_dtype = DTYPES[dtype]
     shards = _plan_shards(specs, torch_dtype, max_shard_bytes)
     gen = torch.Generator().manual_seed(seed)
-    kept: dict[str, torch.Tensor] = {}   # sources of "copy" tensors
+    kept: dict[str, torch.Tensor] = {}  # sources of "copy" tensors
     sources = {s.source for s in specs if s.init == "copy"}
     weight_map: dict[str, str] = {}
     total_bytes = 0
     for k, shard in enumerate(shards):
-        fname = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        fname = (
+            "model.safetensors"
+            if len(shards) == 1
+            else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        )
         if len(shards) > 1:
             log(f"generating weights: shard {k + 1}/{len(shards)}")
         tensors: dict[str, torch.Tensor] = {}
@@ -233,45 +343,76 @@ def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _write_model(out: Path, preset: str, seed: int, dtype: str, max_shard_bytes: int,
-                 log: Callable[[str], None], expert_skew: float = 0.0) -> None:
+def _write_model(
+    out: Path,
+    preset: str,
+    seed: int,
+    dtype: str,
+    max_shard_bytes: int,
+    log: Callable[[str], None],
+    expert_skew: float = 0.0,
+) -> None:
     cfg_dict = preset_config(preset, dtype)
     config = ModelConfig.from_dict(cfg_dict)
     total, active = count_parameters(config)
     _write_json(out / "config.json", cfg_dict)
-    _write_json(out / "generation_config.json",
-                {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "do_sample": True,
-                 "temperature": 1.0, "top_p": 1.0})
+    _write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": BOS_ID,
+            "eos_token_id": EOS_ID,
+            "do_sample": True,
+            "temperature": 1.0,
+            "top_p": 1.0,
+        },
+    )
     t0 = time.perf_counter()
     tok = train_tokenizer(config.vocab_size)
     (out / "tokenizer.json").write_text(tok, encoding="utf-8")
     _write_json(out / "tokenizer_config.json", tokenizer_config(config.max_position_embeddings))
-    log(f"trained byte-level BPE tokenizer (vocab {config.vocab_size}) in {time.perf_counter() - t0:.1f}s")
+    log(
+        f"trained byte-level BPE tokenizer (vocab {config.vocab_size}) in "
+        f"{time.perf_counter() - t0:.1f}s"
+    )
     t0 = time.perf_counter()
     nbytes = _write_weights(out, config, seed, dtype, max_shard_bytes, log)
-    log(f"wrote {total / 1e6:.1f}M parameters ({active / 1e6:.1f}M active, "
-        f"+{count_mtp_parameters(config) / 1e6:.1f}M MTP), {nbytes / 1e6:.0f} MB, in {time.perf_counter() - t0:.1f}s")
+    log(
+        f"wrote {total / 1e6:.1f}M parameters ({active / 1e6:.1f}M active, "
+        f"+{count_mtp_parameters(config) / 1e6:.1f}M MTP), {nbytes / 1e6:.0f} MB, in "
+        f"{time.perf_counter() - t0:.1f}s"
+    )
     if expert_skew > 0:
         from pdmesh.tools.expert_skew import apply_expert_skew
 
         t0 = time.perf_counter()
         apply_expert_skew(out, expert_skew, seed, log)
         log(f"skewed expert popularity (Zipf {expert_skew}) in {time.perf_counter() - t0:.1f}s")
-    skew = {"expert_skew": expert_skew} if expert_skew else {}   # absent at 0: files as before
-    _write_json(out / "pdmesh_init.json", {"version": INIT_FORMAT_VERSION, "preset": preset, "seed": seed,
-                                           "dtype": dtype, **skew, "config": cfg_dict})
+    skew = {"expert_skew": expert_skew} if expert_skew else {}  # absent at 0: files as before
+    _write_json(
+        out / "pdmesh_init.json",
+        {
+            "version": INIT_FORMAT_VERSION,
+            "preset": preset,
+            "seed": seed,
+            "dtype": dtype,
+            **skew,
+            "config": cfg_dict,
+        },
+    )
 
 
 def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
     """Move the finished `tmp` to `out` in one rename (an interrupted run leaves no half model)."""
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)   # mkdtemp made it private
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp made it private
     for f in tmp.iterdir():
         os.chmod(f, 0o666 & ~umask)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not overwrite:
-            raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True / --overwrite)")
+            raise FileExistsError(
+                f"{out} exists and is not empty (pass overwrite=True / --overwrite)"
+            )
         if not (out / "config.json").is_file():
             raise FileExistsError(f"{out} is not a model directory; refusing to overwrite it")
         shutil.rmtree(out)
@@ -280,10 +421,19 @@ def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
     os.replace(tmp, out)
 
 
-def init_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0, dtype: str = "float32", *,
-               overwrite: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-               verbose: bool = True, expert_skew: float = 0.0) -> Path:
-    """Write a seeded random-weight checkpoint of `preset` to `out_dir` (atomically); returns its path.
+def init_model(
+    out_dir: str | Path,
+    preset: str = "tiny",
+    seed: int = 0,
+    dtype: str = "float32",
+    *,
+    overwrite: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    verbose: bool = True,
+    expert_skew: float = 0.0,
+) -> Path:
+    """Write a seeded random-weight checkpoint of `preset` to `out_dir` (atomically); returns its
+    path.
 
     expert_skew: Zipf exponent of expert popularity per MoE layer (module docstring); 0: none.
     """
@@ -308,7 +458,8 @@ def init_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0, dtype: 
 
 
 def cache_root() -> Path:
-    """pdmesh's cache directory: `$PDMESH_CACHE`, else `~/.cache/pdmesh` (the one place reading it)."""
+    """pdmesh's cache directory: `$PDMESH_CACHE`, else `~/.cache/pdmesh` (the one place reading
+    it)."""
     env = os.environ.get("PDMESH_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "pdmesh"
 
@@ -321,20 +472,27 @@ def _is_current(model_dir: Path, preset: str, seed: int) -> bool:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError:
         return False
-    return (meta.get("version") == INIT_FORMAT_VERSION and meta.get("seed") == seed
-            and meta.get("config") == preset_config(preset, meta.get("dtype", "float32")))
+    return (
+        meta.get("version") == INIT_FORMAT_VERSION
+        and meta.get("seed") == seed
+        and meta.get("config") == preset_config(preset, meta.get("dtype", "float32"))
+    )
 
 
 def default_model_dir(cache_root_dir: Path | None = None) -> Path:
-    """The cached `small` preset (seed 0), generated on first use under `<cache>/models/small-seed0`."""
+    """The cached `small` preset (seed 0), generated on first use under
+    `<cache>/models/small-seed0`."""
     target = (cache_root_dir or cache_root()) / "models" / "small-seed0"
     if _is_current(target, "small", 0):
         return target
-    print(f"pdmesh: generating the default model (preset 'small', seed 0) in {target} ...", file=sys.stderr)
+    print(
+        f"pdmesh: generating the default model (preset 'small', seed 0) in {target} ...",
+        file=sys.stderr,
+    )
     try:
         init_model(target, "small", 0, overwrite=target.exists())
     except FileExistsError:
-        if not _is_current(target, "small", 0):   # not another process finishing first
+        if not _is_current(target, "small", 0):  # not another process finishing first
             raise
     return target
 
@@ -345,14 +503,27 @@ def add_init_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing model directory")
-    parser.add_argument("--expert-skew", type=float, default=0.0, metavar="ZIPF_S",
-                        help="Zipf exponent of expert popularity per MoE layer (0: near-uniform)")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an existing model directory"
+    )
+    parser.add_argument(
+        "--expert-skew",
+        type=float,
+        default=0.0,
+        metavar="ZIPF_S",
+        help="Zipf exponent of expert popularity per MoE layer (0: near-uniform)",
+    )
 
 
 def run_init(args: argparse.Namespace) -> int:
-    path = init_model(args.dir, args.preset, args.seed, args.dtype, overwrite=args.overwrite,
-                      expert_skew=args.expert_skew)
+    path = init_model(
+        args.dir,
+        args.preset,
+        args.seed,
+        args.dtype,
+        overwrite=args.overwrite,
+        expert_skew=args.expert_skew,
+    )
     print(path)
     return 0
 

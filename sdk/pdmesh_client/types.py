@@ -5,6 +5,7 @@ The finish-reason names and the sampling fields are read off the proto descripto
 on pdmesh-proto only): `FINISH_REASON_<X>` is "<x>"; a value this build does not know (a newer
 gateway's) reads as None, like FINISH_REASON_UNSPECIFIED.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -17,9 +18,13 @@ from pdmesh_proto.common.v1 import common_pb2
 from pdmesh_proto.gateway.v1 import gateway_pb2
 
 _FINISH_PREFIX = "FINISH_REASON_"
-# Wire value → "stop" | "length" | "abort"; FINISH_REASON_UNSPECIFIED (0, not finished) is left out (None).
-FINISH_REASONS: Mapping[int, str] = {number: name[len(_FINISH_PREFIX):].lower()
-                                     for name, number in common_pb2.FinishReason.items() if number != 0}
+# Wire value → "stop" | "length" | "abort"; FINISH_REASON_UNSPECIFIED (0, not finished) is left out
+# (None).
+FINISH_REASONS: Mapping[int, str] = {
+    number: name[len(_FINISH_PREFIX) :].lower()
+    for name, number in common_pb2.FinishReason.items()
+    if number != 0
+}
 
 
 @dataclass(frozen=True)
@@ -44,8 +49,8 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class Completion:
-    """A whole completion (`Client.generate`). finish_reason: "stop" | "length" | "abort"; stop_reason:
-    the stop string or stop token (as text) that ended it, or None."""
+    """A whole completion (`Client.generate`). finish_reason: "stop" | "length" | "abort";
+    stop_reason: the stop string or stop token (as text) that ended it, or None."""
 
     request_id: str
     text: str
@@ -58,8 +63,8 @@ class Completion:
 
 @dataclass(frozen=True)
 class Chunk:
-    """A piece of a streamed completion (`Client.stream`); finish_reason, stop_reason and usage are set on
-    the last one."""
+    """A piece of a streamed completion (`Client.stream`); finish_reason, stop_reason and usage are
+    set on the last one."""
 
     request_id: str
     text: str
@@ -71,6 +76,7 @@ class Chunk:
 
 
 # ----- errors ----------------------------------------------------------------------------------
+
 
 class GenerateError(Exception):
     """A failed call; `code` is the gRPC status name (e.g. "INVALID_ARGUMENT")."""
@@ -101,10 +107,15 @@ class Cancelled(GenerateError):
 
 
 _ERRORS: dict[grpc.StatusCode, type[GenerateError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest, grpc.StatusCode.OUT_OF_RANGE: InvalidRequest,
-    grpc.StatusCode.FAILED_PRECONDITION: InvalidRequest, grpc.StatusCode.NOT_FOUND: ModelNotFound,
-    grpc.StatusCode.UNAVAILABLE: ServiceUnavailable, grpc.StatusCode.RESOURCE_EXHAUSTED: ServiceUnavailable,
-    grpc.StatusCode.DEADLINE_EXCEEDED: Timeout, grpc.StatusCode.CANCELLED: Cancelled}
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.OUT_OF_RANGE: InvalidRequest,
+    grpc.StatusCode.FAILED_PRECONDITION: InvalidRequest,
+    grpc.StatusCode.NOT_FOUND: ModelNotFound,
+    grpc.StatusCode.UNAVAILABLE: ServiceUnavailable,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ServiceUnavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: Timeout,
+    grpc.StatusCode.CANCELLED: Cancelled,
+}
 RETRYABLE_CODES = frozenset({"UNAVAILABLE", "RESOURCE_EXHAUSTED"})
 
 
@@ -120,16 +131,42 @@ def is_retryable(error: BaseException) -> bool:
 
 # ----- wire conversion -------------------------------------------------------------------------
 
-def build_request(prompt: str | Sequence[int], *, request_id: str = "", model: str = "", max_tokens: int = 16,
-                  temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                  min_p: float | None = None, seed: int | None = None, stop: str | Sequence[str] | None = None,
-                  stop_token_ids: Sequence[int] | None = None, logprobs: int | None = None,
-                  ignore_eos: bool | None = None, min_tokens: int | None = None) -> gateway_pb2.GenerateRequest:
-    """The GenerateRequest for these settings (None: the server's default). Types are checked here."""
-    settings = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                    seed=seed, stop=[stop] if isinstance(stop, str) else stop, stop_token_ids=stop_token_ids,
-                    logprobs=logprobs, ignore_eos=ignore_eos, min_tokens=min_tokens)
-    request = gateway_pb2.GenerateRequest(request_id=request_id, model=model, sampling=sampling_pb(settings))
+
+def build_request(
+    prompt: str | Sequence[int],
+    *,
+    request_id: str = "",
+    model: str = "",
+    max_tokens: int = 16,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    logprobs: int | None = None,
+    ignore_eos: bool | None = None,
+    min_tokens: int | None = None,
+) -> gateway_pb2.GenerateRequest:
+    """The GenerateRequest for these settings (None: the server's default). Types are checked
+    here."""
+    settings = dict(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        seed=seed,
+        stop=[stop] if isinstance(stop, str) else stop,
+        stop_token_ids=stop_token_ids,
+        logprobs=logprobs,
+        ignore_eos=ignore_eos,
+        min_tokens=min_tokens,
+    )
+    request = gateway_pb2.GenerateRequest(
+        request_id=request_id, model=model, sampling=sampling_pb(settings)
+    )
     if isinstance(prompt, str):
         request.text = prompt
     else:
@@ -138,8 +175,8 @@ def build_request(prompt: str | Sequence[int], *, request_id: str = "", model: s
 
 
 def sampling_pb(settings: Mapping[str, Any]) -> common_pb2.SamplingParams:
-    """The SamplingParams message of these settings, by proto field name; None (or absent) leaves a field
-    unset, so the server's default applies. Unknown names are a ValueError."""
+    """The SamplingParams message of these settings, by proto field name; None (or absent) leaves a
+    field unset, so the server's default applies. Unknown names are a ValueError."""
     fields = {f.name: f for f in common_pb2.SamplingParams.DESCRIPTOR.fields}
     unknown = sorted(set(settings) - set(fields))
     if unknown:
@@ -156,8 +193,10 @@ def sampling_pb(settings: Mapping[str, Any]) -> common_pb2.SamplingParams:
 
 
 def _logprobs(items) -> tuple[TokenLogprob, ...]:
-    return tuple(TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
-                 for lp in items)
+    return tuple(
+        TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
+        for lp in items
+    )
 
 
 def _usage(msg) -> Usage | None:
@@ -167,10 +206,24 @@ def _usage(msg) -> Usage | None:
 
 
 def completion_from_proto(msg: gateway_pb2.GenerateResponse) -> Completion:
-    return Completion(msg.request_id, msg.text, tuple(msg.token_ids), FINISH_REASONS.get(msg.finish_reason),
-                      _usage(msg), _logprobs(msg.logprobs), msg.stop_reason or None)
+    return Completion(
+        msg.request_id,
+        msg.text,
+        tuple(msg.token_ids),
+        FINISH_REASONS.get(msg.finish_reason),
+        _usage(msg),
+        _logprobs(msg.logprobs),
+        msg.stop_reason or None,
+    )
 
 
 def chunk_from_proto(msg: gateway_pb2.GenerateChunk) -> Chunk:
-    return Chunk(msg.request_id, msg.text, tuple(msg.token_ids), _logprobs(msg.logprobs),
-                 FINISH_REASONS.get(msg.finish_reason), msg.stop_reason or None, _usage(msg))
+    return Chunk(
+        msg.request_id,
+        msg.text,
+        tuple(msg.token_ids),
+        _logprobs(msg.logprobs),
+        FINISH_REASONS.get(msg.finish_reason),
+        msg.stop_reason or None,
+        _usage(msg),
+    )

@@ -1,5 +1,6 @@
-"""`pdmesh bench eplb` offline (both planners' numbers; ours moves fewer slots); `pdmesh eplb plan`.
-"""
+"""`pdmesh bench eplb` offline (both planners' numbers; ours moves fewer slots); `pdmesh eplb
+plan`."""
+
 from __future__ import annotations
 
 import json
@@ -29,12 +30,36 @@ def _finite(value: object) -> bool:
 
 
 def test_bench_eplb_offline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    files = [_write_loads(tmp_path / "skew10.json", 1.0, 0),
-             _write_loads(tmp_path / "skew14.json", 1.4, 1)]
+    files = [
+        _write_loads(tmp_path / "skew10.json", 1.0, 0),
+        _write_loads(tmp_path / "skew14.json", 1.4, 1),
+    ]
     out = tmp_path / "eplb.json"
-    assert main(["bench", "eplb", "--loads", *map(str, files), "--ranks", "8", "--redundant", "8",
-                 "--steps", "3", "--top-k", "4", "--tokens", "512", "--step-samples", "2",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "eplb",
+                "--loads",
+                *map(str, files),
+                "--ranks",
+                "8",
+                "--redundant",
+                "8",
+                "--steps",
+                "3",
+                "--top-k",
+                "4",
+                "--tokens",
+                "512",
+                "--step-samples",
+                "2",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     rows = report["results"]
     expected = [(f.name, p) for f in files for p in ("ours", "baseline")]
@@ -47,7 +72,7 @@ def test_bench_eplb_offline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         assert _finite(r["plan_ms"]["scratch"]) and r["plan_ms"]["scratch"] > 0
     for ours, base in zip(rows[::2], rows[1::2], strict=True):
         assert ours["moved_fraction_per_rebalance"] < base["moved_fraction_per_rebalance"]
-        assert ours["moved_fraction_per_rebalance"] <= 0.2 + 1e-9      # the default move budget
+        assert ours["moved_fraction_per_rebalance"] <= 0.2 + 1e-9  # the default move budget
         assert ours["colocated_replicas"] == 0
         assert _finite(ours["plan_ms"]["rebalance_median"])
     assert len(report["simulation"]["results"]) == 2
@@ -57,8 +82,9 @@ def test_bench_eplb_offline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
 
 
 @pytest.mark.parametrize("option", [["--dep", "2"], ["--model", "some/dir"]])
-def test_bench_eplb_rejects_the_live_mode(tmp_path: Path, option: list[str],
-                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_eplb_rejects_the_live_mode(
+    tmp_path: Path, option: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     loads = _write_loads(tmp_path / "w.json", 1.0, 0)
     with pytest.raises(SystemExit) as exc:
         main(["bench", "eplb", "--loads", str(loads), *option])
@@ -74,6 +100,6 @@ def test_eplb_plan_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     plan = json.loads(out.read_text())
     p2l = np.asarray(plan["physical_to_logical"])
     assert plan["num_ranks"] == 8 and p2l.shape == (NUM_LAYERS, NUM_EXPERTS + 8)
-    assert all(set(row.tolist()) == set(range(NUM_EXPERTS)) for row in p2l)   # no expert lost
+    assert all(set(row.tolist()) == set(range(NUM_EXPERTS)) for row in p2l)  # no expert lost
     assert "balancedness" in capsys.readouterr().out
     assert main(["eplb", "plan", "--loads", str(tmp_path / "missing.json"), *layout]) == 2

@@ -1,5 +1,6 @@
 """`pdmesh bench eplb --dep 2 --model TINY_SKEWED`: the live mode end to end (real rank
 processes in a gloo group, the real engine's staging and switch)."""
+
 from __future__ import annotations
 
 import json
@@ -14,21 +15,52 @@ from pdmesh.tools.model_init import init_model
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 STEPS = 9
 INTERVAL = 3
-NUM_MOE_LAYERS = 3                  # tiny preset: 4 layers, the first dense
+NUM_MOE_LAYERS = 3  # tiny preset: 4 layers, the first dense
 
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     root = tmp_path_factory.mktemp("bench_eplb_live")
-    model_dir = init_model(root / "tiny_skew", preset="tiny", seed=0, expert_skew=1.2,
-                           verbose=False)
+    model_dir = init_model(
+        root / "tiny_skew", preset="tiny", seed=0, expert_skew=1.2, verbose=False
+    )
     out, plot = root / "live.json", root / "live.png"
     # move budget 0.5: 8 experts + 2 redundant slots; the default 20% allows only 2 slots a layer
-    assert main(["bench", "eplb", "--dep", "2", "--model", str(model_dir),
-                 "--steps", str(STEPS), "--warmup", "1", "--interval", str(INTERVAL),
-                 "--window", str(INTERVAL), "--requests-per-rank", "4", "--context", "16",
-                 "--num-redundant-experts", "2", "--move-budget", "0.5", "--threads-per-rank", "1",
-                 "--json", str(out), "--plot", str(plot)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "eplb",
+                "--dep",
+                "2",
+                "--model",
+                str(model_dir),
+                "--steps",
+                str(STEPS),
+                "--warmup",
+                "1",
+                "--interval",
+                str(INTERVAL),
+                "--window",
+                str(INTERVAL),
+                "--requests-per-rank",
+                "4",
+                "--context",
+                "16",
+                "--num-redundant-experts",
+                "2",
+                "--move-budget",
+                "0.5",
+                "--threads-per-rank",
+                "1",
+                "--json",
+                str(out),
+                "--plot",
+                str(plot),
+            ]
+        )
+        == 0
+    )
     return json.loads(out.read_text()), plot
 
 
@@ -64,7 +96,7 @@ def test_rebalances_switch_and_keep_outputs(live: tuple[dict, Path]) -> None:
     assert first["window_balancedness_planned"] >= first["window_balancedness_before"]
     assert first["step_ms_during"]
     assert max(first["step_ms_during"]) <= report["max_rebalance_step_ms"]
-    assert report["final_placement_version"] == [done[-1]["version"]] * 2   # both ranks alike
+    assert report["final_placement_version"] == [done[-1]["version"]] * 2  # both ranks alike
     assert report["outputs_identical"] is True
     assert report["on_settled"] is not None and math.isfinite(report["gap_recovered_all_steps"])
     assert report["steady_step_ms_p99"] > 0 and report["rebalance_step_ratio"] > 0

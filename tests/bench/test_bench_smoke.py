@@ -1,4 +1,6 @@
-"""Smoke tests of `pdmesh bench engine` and `pdmesh bench forward` in `--quick` mode on the tiny preset."""
+"""Smoke tests of `pdmesh bench engine` and `pdmesh bench forward` in `--quick` mode on the tiny
+preset."""
+
 from __future__ import annotations
 
 import json
@@ -28,16 +30,41 @@ def _positive(value: object) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
-def test_bench_engine_quick(tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_bench_engine_quick(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     pytest.importorskip("transformers")
     out = tmp_path / "engine.json"
-    assert main(["bench", "engine", "--model", str(tiny_model), "--quick", "--torch-threads", "1", "--rounds", "2",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "engine",
+                "--model",
+                str(tiny_model),
+                "--quick",
+                "--torch-threads",
+                "1",
+                "--rounds",
+                "2",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert [r["concurrency"] for r in report["results"]] == [1, 2]
     for r in report["results"]:
-        for key in ("engine_tokens_per_s", "hf_tokens_per_s", "ratio", "engine_prefill_s", "hf_prefill_s",
-                    "engine_decode_step_ms_median", "hf_decode_step_ms_median"):
+        for key in (
+            "engine_tokens_per_s",
+            "hf_tokens_per_s",
+            "ratio",
+            "engine_prefill_s",
+            "hf_prefill_s",
+            "engine_decode_step_ms_median",
+            "hf_decode_step_ms_median",
+        ):
             assert _positive(r[key]), (key, r[key])
         assert r["ratio"] == pytest.approx(r["engine_tokens_per_s"] / r["hf_tokens_per_s"])
         assert r["output_tokens"] == r["concurrency"] * report["output_len"]
@@ -54,10 +81,21 @@ def test_bench_engine_quick(tiny_model: Path, tmp_path: Path, capsys: pytest.Cap
 
 
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
-def test_bench_forward_quick(tiny_model: Path, tmp_path: Path, phase: str,
-                             capsys: pytest.CaptureFixture) -> None:
+def test_bench_forward_quick(
+    tiny_model: Path, tmp_path: Path, phase: str, capsys: pytest.CaptureFixture
+) -> None:
     out = tmp_path / "forward.json"
-    argv = ["bench", "forward", "--model", str(tiny_model), "--quick", "--phase", phase, "--json", str(out)]
+    argv = [
+        "bench",
+        "forward",
+        "--model",
+        str(tiny_model),
+        "--quick",
+        "--phase",
+        phase,
+        "--json",
+        str(out),
+    ]
     assert main(argv + (["--profile"] if phase == "decode" else [])) == 0
     result = json.loads(out.read_text())
     assert result["phase"] == phase
@@ -67,6 +105,8 @@ def test_bench_forward_quick(tiny_model: Path, tmp_path: Path, phase: str,
     assert result["p90_ms"] >= result["median_ms"]
     if phase == "decode":
         assert _positive(result["roofline"]["flops_fraction_of_peak"])
-        assert result["top_ops"] and all("self_cpu_ms_per_forward" in op for op in result["top_ops"])
+        assert result["top_ops"] and all(
+            "self_cpu_ms_per_forward" in op for op in result["top_ops"]
+        )
         assert "attention" in result["module_ms_per_forward"]
         assert "Self CPU" in capsys.readouterr().out

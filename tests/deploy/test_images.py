@@ -4,6 +4,7 @@ Each Dockerfile copies and installs exactly its service's closure (scripts/closu
 the pyproject files), the light images hold no torch, and the shipped stage runs as a non-root user
 with a gRPC health check and an entry module that exists.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -32,7 +33,7 @@ def _load_closure() -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "closure.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module          # dataclasses resolve their module through sys.modules
+    sys.modules[name] = module  # dataclasses resolve their module through sys.modules
     spec.loader.exec_module(module)
     return module
 
@@ -74,16 +75,26 @@ def _flag(argv: list[str], name: str) -> str:
 
 # ---- scripts/closure.py itself ------------------------------------------------------------------
 
+
 def test_closure_resolves_extras_in_install_order() -> None:
     assert closure.closure_folders("decode") == [
-        "protos", "kernels", "engine", "services/common", "services/decode"]
+        "protos",
+        "kernels",
+        "engine",
+        "services/common",
+        "services/decode",
+    ]
     assert closure.closure_folders("pdmesh-kvstore") == [
-        "protos", "services/common", "services/kvstore"]
+        "protos",
+        "services/common",
+        "services/kvstore",
+    ]
     assert "kernels" not in closure.closure_folders("gateway"), "the engine without [runtime]"
 
 
-def _write_project(folder: Path, name: str, deps: list[str],
-                   extras: dict[str, list[str]] | None = None) -> None:
+def _write_project(
+    folder: Path, name: str, deps: list[str], extras: dict[str, list[str]] | None = None
+) -> None:
     folder.mkdir(parents=True)
     lines = [f'[project]\nname = "{name}"\ndependencies = {json.dumps(deps)}\n']
     if extras:
@@ -117,6 +128,7 @@ def test_check_mode_passes_on_the_repository() -> None:
 
 # ---- each Dockerfile ----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("service", SERVICES)
 def test_copy_sources_exist_and_equal_the_closure(service: str) -> None:
     pairs = closure.copies(_instructions(service))
@@ -142,8 +154,11 @@ def test_the_build_context_keeps_the_closure(service: str) -> None:
     for folder in closure.closure_folders(service):
         parts = folder.split("/")
         for above in ("/".join(parts[:n]) for n in range(1, len(parts) + 1)):
-            hits = [p for p in patterns if fnmatch.fnmatch(above, p.removeprefix("**/"))
-                    or fnmatch.fnmatch(above, p)]
+            hits = [
+                p
+                for p in patterns
+                if fnmatch.fnmatch(above, p.removeprefix("**/")) or fnmatch.fnmatch(above, p)
+            ]
             assert hits == [], f".dockerignore {hits} drops {above}"
 
 
@@ -169,8 +184,9 @@ def test_worker_images_install_torch_first_from_build_arguments(service: str) ->
     assert args["BASE_IMAGE"] == "python:3.11-slim"
     assert args["TORCH_SPEC"] == "torch==2.13.0"
     assert args["PIP_EXTRA_INDEX_URL"] == ""
-    torch_run = next(n for n, i in enumerate(instructions)
-                     if i.keyword == "RUN" and "TORCH_SPEC" in i.args)
+    torch_run = next(
+        n for n, i in enumerate(instructions) if i.keyword == "RUN" and "TORCH_SPEC" in i.args
+    )
     first_copy = next(n for n, i in enumerate(instructions) if i.keyword == "COPY")
     assert torch_run < first_copy, "torch is installed before the closure"
 

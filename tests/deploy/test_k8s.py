@@ -26,7 +26,8 @@ TORCH_FREE = ("gateway", "kvstore", "eplb")
 GPU_WORKERS = ("prefill", "decode")
 # Flags the manifests use that the services do not take yet (the per-pod DEP ranks need rank 0's
 # address: deploy/README.md, "Rank identity"). A flag leaves this set when the service gains it.
-PENDING_FLAGS: frozenset[str] = frozenset()   # flags the manifests use before a service knows them (none)
+# flags the manifests use before a service knows them (none)
+PENDING_FLAGS: frozenset[str] = frozenset()
 # What the downward API gives, for checking the expanded arguments.
 FIELD_SAMPLES = {
     "status.podIP": "10.1.2.3",
@@ -281,9 +282,8 @@ def test_containers_pass_flags_the_services_take(overlay: str) -> None:
             f"{name}: unknown flags {sorted(unknown_flags - PENDING_FLAGS)}"
         )
         used_pending |= unknown_flags
-        importlib.import_module(f"pdmesh_{name}.server").config_from_args(
-            namespace
-        )  # ValueError: bad value
+        # ValueError: bad value
+        importlib.import_module(f"pdmesh_{name}.server").config_from_args(namespace)
     known_now = {
         flag
         for flag in PENDING_FLAGS

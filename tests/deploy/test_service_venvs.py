@@ -6,6 +6,7 @@ service run from that venv against a real Redis and asked for gRPC health throug
 `python -m pdmesh_service.healthcheck` from the same venv: the Dockerfiles' builder stage without
 docker. Skipped only when pip cannot reach a package index.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -29,13 +30,20 @@ from pdmesh_service.redis_server import EmbeddedRedis, free_port
 ROOT = Path(__file__).resolve().parents[2]
 LIGHT_SERVICES = ("gateway", "kvstore", "eplb")
 FORBIDDEN_MODULES = ("torch", "triton", "nixl", "pdmesh_kernels", "safetensors")
-MAX_VENV_BYTES = 300 << 20           # a torch install alone is several times this
+MAX_VENV_BYTES = 300 << 20  # a torch install alone is several times this
 START_TIMEOUT_S = 60.0
 # What pip reports when it cannot reach an index (urllib3 and socket errors, retried, then given).
-NETWORK_ERRORS = ("NewConnectionError", "Failed to establish a new connection",
-                  "Temporary failure in name resolution", "Name or service not known",
-                  "Network is unreachable", "ConnectTimeoutError", "ReadTimeoutError", "ProxyError",
-                  "connection broken by")
+NETWORK_ERRORS = (
+    "NewConnectionError",
+    "Failed to establish a new connection",
+    "Temporary failure in name resolution",
+    "Name or service not known",
+    "Network is unreachable",
+    "ConnectTimeoutError",
+    "ReadTimeoutError",
+    "ProxyError",
+    "connection broken by",
+)
 
 
 def closure_folders(service: str) -> list[str]:
@@ -45,7 +53,7 @@ def closure_folders(service: str) -> list[str]:
         spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "closure.py")
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module       # dataclasses resolve their module through sys.modules
+        sys.modules[name] = module  # dataclasses resolve their module through sys.modules
         spec.loader.exec_module(module)
     folders: list[str] = sys.modules[name].closure_folders(service)
     return folders
@@ -73,14 +81,26 @@ def _install(service: str, root: Path) -> ServiceVenv:
     src = root / "src"
     folders = closure_folders(service)
     for folder in folders:
-        shutil.copytree(ROOT / folder, src / folder, dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns("*.egg-info", "__pycache__", "build"))
+        shutil.copytree(
+            ROOT / folder,
+            src / folder,
+            dirs_exist_ok=True,
+            ignore=shutil.ignore_patterns("*.egg-info", "__pycache__", "build"),
+        )
     venv = ServiceVenv(service, root / f"venv-{service}")
     subprocess.run([sys.executable, "-m", "venv", str(venv.path)], check=True, env=_clean_env())
-    argv = [venv.python, "-m", "pip", "install", "--disable-pip-version-check", "-q",
-            *(f"./{f}" for f in folders)]
-    result = subprocess.run(argv, cwd=src, capture_output=True, text=True, env=_clean_env(),
-                            timeout=480)
+    argv = [
+        venv.python,
+        "-m",
+        "pip",
+        "install",
+        "--disable-pip-version-check",
+        "-q",
+        *(f"./{f}" for f in folders),
+    ]
+    result = subprocess.run(
+        argv, cwd=src, capture_output=True, text=True, env=_clean_env(), timeout=480
+    )
     if result.returncode != 0:
         output = result.stdout + result.stderr
         if any(marker in output for marker in NETWORK_ERRORS):
@@ -92,7 +112,7 @@ def _install(service: str, root: Path) -> ServiceVenv:
 @pytest.fixture(scope="module")
 def venvs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ServiceVenv]:
     root = tmp_path_factory.mktemp("service-venvs")
-    return {service: _install(service, root) for service in LIGHT_SERVICES}   # in sequence
+    return {service: _install(service, root) for service in LIGHT_SERVICES}  # in sequence
 
 
 @pytest.fixture(scope="module")
@@ -111,13 +131,28 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _run(venv: ServiceVenv, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([venv.python, *args], capture_output=True, text=True, env=_clean_env(),
-                          cwd=venv.path, timeout=60)
+    return subprocess.run(
+        [venv.python, *args],
+        capture_output=True,
+        text=True,
+        env=_clean_env(),
+        cwd=venv.path,
+        timeout=60,
+    )
 
 
 def _health(venv: ServiceVenv, port: int, name: str) -> subprocess.CompletedProcess[str]:
-    return _run(venv, "-m", "pdmesh_service.healthcheck", "--address", f"127.0.0.1:{port}",
-                "--service", name, "--timeout", "3")
+    return _run(
+        venv,
+        "-m",
+        "pdmesh_service.healthcheck",
+        "--address",
+        f"127.0.0.1:{port}",
+        "--service",
+        name,
+        "--timeout",
+        "3",
+    )
 
 
 def _wait_serving(venv: ServiceVenv, process: subprocess.Popen[str], port: int, name: str) -> None:
@@ -135,13 +170,31 @@ def _wait_serving(venv: ServiceVenv, process: subprocess.Popen[str], port: int, 
         time.sleep(0.3)
 
 
-def _start(venv: ServiceVenv, port: int, redis: EmbeddedRedis,
-           *extra: str) -> subprocess.Popen[str]:
-    argv = [venv.python, "-m", f"pdmesh_{venv.service}", "--host", "127.0.0.1",
-            "--port", str(port), "--redis-url", redis.url, "--deployment", f"venv-{venv.service}",
-            *extra]
-    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=_clean_env(), cwd=venv.path)
+def _start(
+    venv: ServiceVenv, port: int, redis: EmbeddedRedis, *extra: str
+) -> subprocess.Popen[str]:
+    argv = [
+        venv.python,
+        "-m",
+        f"pdmesh_{venv.service}",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--redis-url",
+        redis.url,
+        "--deployment",
+        f"venv-{venv.service}",
+        *extra,
+    ]
+    return subprocess.Popen(
+        argv,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_clean_env(),
+        cwd=venv.path,
+    )
 
 
 def _stop(process: subprocess.Popen[str]) -> int:
@@ -158,9 +211,11 @@ def _stop(process: subprocess.Popen[str]) -> int:
 @pytest.mark.parametrize("service", LIGHT_SERVICES)
 def test_closure_installs_no_accelerator_stack(venvs: dict[str, ServiceVenv], service: str) -> None:
     venv = venvs[service]
-    probe = ("import importlib.util, json\n"
-             f"found = [m for m in {list(FORBIDDEN_MODULES)!r} if importlib.util.find_spec(m)]\n"
-             "print(json.dumps(found))")
+    probe = (
+        "import importlib.util, json\n"
+        f"found = [m for m in {list(FORBIDDEN_MODULES)!r} if importlib.util.find_spec(m)]\n"
+        "print(json.dumps(found))"
+    )
     found = _run(venv, "-c", probe)
     assert found.returncode == 0, found.stderr
     assert json.loads(found.stdout) == []
@@ -176,21 +231,25 @@ def test_closure_installs_no_accelerator_stack(venvs: dict[str, ServiceVenv], se
 
 
 @pytest.mark.parametrize("service", LIGHT_SERVICES)
-def test_venv_stays_small(venvs: dict[str, ServiceVenv], service: str,
-                          record_property: Any) -> None:
+def test_venv_stays_small(
+    venvs: dict[str, ServiceVenv], service: str, record_property: Any
+) -> None:
     path = venvs[service].path
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
-    listed = _run(venvs[service], "-m", "pip", "list", "--format=json",
-                  "--disable-pip-version-check")
+    listed = _run(
+        venvs[service], "-m", "pip", "list", "--format=json", "--disable-pip-version-check"
+    )
     record_property("venv_bytes", size)
     record_property("num_packages", len(json.loads(listed.stdout)))
     assert size < MAX_VENV_BYTES, f"{service}'s venv holds {size >> 20} MiB"
 
 
-@pytest.mark.parametrize(("service", "name"), [("kvstore", "pdmesh.kvstore.v1.KVStore"),
-                                               ("eplb", "pdmesh.eplb.v1.Eplb")])
+@pytest.mark.parametrize(
+    ("service", "name"), [("kvstore", "pdmesh.kvstore.v1.KVStore"), ("eplb", "pdmesh.eplb.v1.Eplb")]
+)
 def test_service_starts_from_its_venv_and_serves_health(
-        venvs: dict[str, ServiceVenv], redis: EmbeddedRedis, service: str, name: str) -> None:
+    venvs: dict[str, ServiceVenv], redis: EmbeddedRedis, service: str, name: str
+) -> None:
     venv, port = venvs[service], free_port()
     process = _start(venv, port, redis)
     try:
@@ -213,7 +272,8 @@ def _get(url: str) -> tuple[int, Any]:
 
 
 def test_gateway_starts_from_its_venv_and_answers(
-        venvs: dict[str, ServiceVenv], redis: EmbeddedRedis, tiny_model: Path) -> None:
+    venvs: dict[str, ServiceVenv], redis: EmbeddedRedis, tiny_model: Path
+) -> None:
     venv, port, http_port = venvs["gateway"], free_port(), free_port()
     process = _start(venv, port, redis, "--model", str(tiny_model), "--http-port", str(http_port))
     try:

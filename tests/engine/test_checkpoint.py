@@ -1,4 +1,6 @@
-"""Reading checkpoints: safetensors discovery and streaming, config and generation defaults, errors."""
+"""Reading checkpoints: safetensors discovery and streaming, config and generation defaults,
+errors."""
+
 from __future__ import annotations
 
 import json
@@ -8,10 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdmesh_engine.checkpoint import (DTYPES, expect_shape, find_safetensors, iter_tensors, load_generation_defaults,
-                                      tensor_names)
-from pdmesh_engine.config import DTYPE_NAMES, CheckpointError, EngineConfig, ModelConfig
 from pdmesh.tools.model_init import init_model, preset_model_config, weight_specs
+from pdmesh_engine.checkpoint import (
+    DTYPES,
+    expect_shape,
+    find_safetensors,
+    iter_tensors,
+    load_generation_defaults,
+    tensor_names,
+)
+from pdmesh_engine.config import DTYPE_NAMES, CheckpointError, EngineConfig, ModelConfig
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +29,13 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def sharded_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_model(tmp_path_factory.mktemp("ckpt") / "sharded", "tiny", seed=0, max_shard_bytes=400_000,
-                      verbose=False)
+    return init_model(
+        tmp_path_factory.mktemp("ckpt") / "sharded",
+        "tiny",
+        seed=0,
+        max_shard_bytes=400_000,
+        verbose=False,
+    )
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -43,7 +56,9 @@ def test_sharded_checkpoint_streams_the_same_tensors(tiny_dir: Path, sharded_dir
     assert len(files) > 2 and all(f.name.startswith("model-0") for f in files)
     index = json.loads((sharded_dir / "model.safetensors.index.json").read_text())
     assert sorted(set(index["weight_map"].values())) == [f.name for f in files]
-    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for _, t in iter_tensors(sharded_dir))
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for _, t in iter_tensors(sharded_dir)
+    )
     single = dict(iter_tensors(tiny_dir))
     sharded = dict(iter_tensors(sharded_dir))
     assert single.keys() == sharded.keys()
@@ -51,14 +66,18 @@ def test_sharded_checkpoint_streams_the_same_tensors(tiny_dir: Path, sharded_dir
 
 
 def test_iter_tensors_subset(tiny_dir: Path) -> None:
-    got = dict(iter_tensors(tiny_dir, names=["lm_head.weight", "model.norm.weight", "no.such.tensor"]))
+    got = dict(
+        iter_tensors(tiny_dir, names=["lm_head.weight", "model.norm.weight", "no.such.tensor"])
+    )
     assert set(got) == {"lm_head.weight", "model.norm.weight"}
 
 
 def test_expect_shape() -> None:
     t = torch.zeros(3, 4)
     assert expect_shape("w", t, (3, 4)) is t
-    with pytest.raises(CheckpointError, match=r"model.x.weight: expected shape \(4, 3\), got \(3, 4\)"):
+    with pytest.raises(
+        CheckpointError, match=r"model.x.weight: expected shape \(4, 3\), got \(3, 4\)"
+    ):
         expect_shape("model.x.weight", t, [4, 3])
 
 
@@ -74,7 +93,7 @@ def test_generation_defaults(tiny_dir: Path, tmp_path: Path) -> None:
     (d / "generation_config.json").unlink()
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**cfg, "eos_token_id": [1, 2]}))
-    assert load_generation_defaults(d) == {"eos_token_ids": (1, 2)}   # falls back to config.json
+    assert load_generation_defaults(d) == {"eos_token_ids": (1, 2)}  # falls back to config.json
 
 
 def test_missing_config(tiny_dir: Path, tmp_path: Path) -> None:
@@ -103,7 +122,9 @@ def test_missing_safetensors(tiny_dir: Path, tmp_path: Path) -> None:
 def test_wrong_architecture(tiny_dir: Path, tmp_path: Path) -> None:
     d = _copy(tiny_dir, tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    (d / "config.json").write_text(
+        json.dumps({**cfg, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    )
     with pytest.raises(CheckpointError, match="unsupported architecture.*LlamaForCausalLM"):
         ModelConfig.from_dir(d)
 

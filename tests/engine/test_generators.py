@@ -1,10 +1,12 @@
-"""Seeded requests' generators live in the model runner, keyed by request id; `Request` stays pure data.
+"""Seeded requests' generators live in the model runner, keyed by request id; `Request` stays pure
+data.
 
 - made on a request's first sample, dropped once the scheduler reports it finished or aborted;
-- a request whose first token was sampled by another engine (prefill → decode hand-off) continues the
-  very stream one engine alone would have drawn;
+- a request whose first token was sampled by another engine (prefill → decode hand-off) continues
+  the very stream one engine alone would have drawn;
 - request.py, scheduler.py and kv_cache.py import no torch.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from pdmesh.tools.model_init import init_model
 from pdmesh_engine import EngineConfig, EngineCore, SamplingParams
 from pdmesh_engine.request import Request
-from pdmesh.tools.model_init import init_model
 
 CONFIG = EngineConfig(num_blocks=64, block_size=16, device="cpu", num_threads=1)
 SEEDED = SamplingParams(max_tokens=8, temperature=1.0, seed=77, ignore_eos=True)
@@ -47,24 +49,28 @@ def run(engine: EngineCore, max_steps: int = 200) -> dict[str, list[int]]:
 def test_the_request_holds_no_generator_and_the_pure_modules_import_no_torch() -> None:
     names = {f.name for f in dataclasses.fields(Request)}
     assert "generator" not in names and "device" not in names
-    code = ("import sys, pdmesh_engine.request, pdmesh_engine.scheduler, pdmesh_engine.kv_cache; "
-            "assert 'torch' not in sys.modules, 'torch was imported'")
+    code = (
+        "import sys, pdmesh_engine.request, pdmesh_engine.scheduler, pdmesh_engine.kv_cache; "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def test_a_generator_is_made_on_the_first_sample_and_dropped_when_the_request_ends(engine: EngineCore) -> None:
+def test_a_generator_is_made_on_the_first_sample_and_dropped_when_the_request_ends(
+    engine: EngineCore,
+) -> None:
     runner = engine.runner
     engine.add_request(PROMPT, SEEDED, "seeded")
     engine.add_request(PROMPT, SamplingParams(max_tokens=8, temperature=1.0), "unseeded")
     engine.add_request(PROMPT, SEEDED, "aborted")
     assert runner.generators == {}
-    engine.step()                                    # the prompts fit one step: every request samples
+    engine.step()  # the prompts fit one step: every request samples
     assert set(runner.generators) == {"seeded", "aborted"}
     engine.abort("aborted")
     engine.step()
     assert set(runner.generators) == {"seeded"}
     run(engine)
-    engine.step()                                    # the finish is reported with the next schedule
+    engine.step()  # the finish is reported with the next schedule
     assert runner.generators == {}
 
 

@@ -1,4 +1,6 @@
-"""Block pool and KV cache manager: counts, prefix sharing, LRU eviction, integrity, block hashes."""
+"""Block pool and KV cache manager: counts, prefix sharing, LRU eviction, integrity, block
+hashes."""
+
 from __future__ import annotations
 
 import hashlib
@@ -17,7 +19,8 @@ def toks(n: int, start: int = 100) -> list[int]:
 
 
 def admit(kv: KVCacheManager, rid: str, tokens: list[int]) -> list[int]:
-    """Admit a request as the scheduler does (prefix lookup + allocation), compute it fully, cache its blocks."""
+    """Admit a request as the scheduler does (prefix lookup + allocation), compute it fully, cache
+    its blocks."""
     prefix = kv.find_cached_prefix(rid, tokens)
     blocks = kv.allocate(rid, len(tokens), prefix)
     assert blocks is not None
@@ -28,16 +31,24 @@ def admit(kv: KVCacheManager, rid: str, tokens: list[int]) -> list[int]:
 
 def snapshot(kv: KVCacheManager) -> tuple:
     p = kv.pool
-    return (list(p.ref_counts), list(p.block_hashes), dict(p.cached), list(p.evictable),
-            {k: list(v) for k, v in kv.req_blocks.items()}, kv.prefix_hits, kv.stats())
+    return (
+        list(p.ref_counts),
+        list(p.block_hashes),
+        dict(p.cached),
+        list(p.evictable),
+        {k: list(v) for k, v in kv.req_blocks.items()},
+        kv.prefix_hits,
+        kv.stats(),
+    )
 
 
 # ----- counts -----
 
+
 def test_allocate_and_free_counts() -> None:
     kv = KVCacheManager(num_blocks=10, block_size=BS)
     assert kv.stats().num_free == 10 and kv.stats().num_used == 0
-    a = list(kv.allocate("a", 9))                 # ceil(9 / 4) = 3 blocks
+    a = list(kv.allocate("a", 9))  # ceil(9 / 4) = 3 blocks
     assert len(a) == 3 and len(set(a)) == 3
     b = kv.allocate("b", 4)
     assert b is not None and len(b) == 1 and not set(a) & set(b)
@@ -46,25 +57,25 @@ def test_allocate_and_free_counts() -> None:
     # growing a request only adds the missing blocks and keeps the old ones in order
     grown = kv.allocate("a", 13)
     assert grown is not None and grown[:3] == a and len(grown) == 4
-    assert kv.allocate("a", 10) == grown          # already enough: nothing new
+    assert kv.allocate("a", 10) == grown  # already enough: nothing new
     assert kv.stats().num_used == 5
     kv.free("a")
     kv.free("b")
     s = kv.stats()
     assert (s.num_used, s.num_free + s.num_cached) == (0, 10)
     kv.check_integrity()
-    kv.free("never-seen")                         # unknown request: a no-op
+    kv.free("never-seen")  # unknown request: a no-op
     kv.check_integrity()
 
 
 def test_allocation_failure_returns_none_and_changes_nothing() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=BS)
-    admit(kv, "a", toks(8))                       # 2 blocks, both hashed
-    kv.free("a")                                  # cached, evictable
-    admit(kv, "b", toks(4, start=500))            # takes 1 free block
+    admit(kv, "a", toks(8))  # 2 blocks, both hashed
+    kv.free("a")  # cached, evictable
+    admit(kv, "b", toks(4, start=500))  # takes 1 free block
     before = snapshot(kv)
-    assert kv.allocate("c", 4 * BS) is None       # 4 blocks wanted, 3 available
-    assert kv.allocate("b", 5 * BS) is None       # growing past the pool fails too
+    assert kv.allocate("c", 4 * BS) is None  # 4 blocks wanted, 3 available
+    assert kv.allocate("b", 5 * BS) is None  # growing past the pool fails too
     assert snapshot(kv) == before
     assert "c" not in kv.req_blocks
     kv.check_integrity()
@@ -73,16 +84,16 @@ def test_allocation_failure_returns_none_and_changes_nothing() -> None:
 def test_allocation_with_cached_prefix_counts_evictable_prefix_blocks() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=BS)
     tokens = toks(12)
-    admit(kv, "a", tokens)                        # 3 blocks, all full and hashed
+    admit(kv, "a", tokens)  # 3 blocks, all full and hashed
     kv.free("a")
-    longer = tokens + toks(9, start=900)          # 21 tokens: 6 blocks, 3 from the cache
+    longer = tokens + toks(9, start=900)  # 21 tokens: 6 blocks, 3 from the cache
     prefix = kv.find_cached_prefix("b", longer)
     assert len(prefix) == 3
     before = snapshot(kv)
     # the 3 prefix blocks are themselves in the evictable queue: only 1 other block is left
     assert kv.allocate("b", len(longer), prefix) is None
     assert snapshot(kv) == before
-    blocks = kv.allocate("b", 4 * BS, prefix)     # 3 cached + 1 new fits exactly
+    blocks = kv.allocate("b", 4 * BS, prefix)  # 3 cached + 1 new fits exactly
     assert blocks is not None and blocks[:3] == prefix and len(blocks) == 4
     assert kv.stats().num_used == 4 and kv.pool.num_available == 0
     kv.check_integrity()
@@ -102,12 +113,13 @@ def test_release_more_often_than_taken_raises() -> None:
 
 # ----- prefix sharing -----
 
+
 def test_same_full_prefix_blocks_are_shared_and_partial_last_block_is_not() -> None:
     kv = KVCacheManager(num_blocks=16, block_size=BS)
     common = toks(2 * BS)
-    a = admit(kv, "a", common + [1, 2])          # 10 tokens: 2 full blocks + a partial one
-    assert len(kv.pool.cached) == 2               # the partial block carries no hash
-    b_tokens = common + [1, 2]                    # identical prompt
+    a = admit(kv, "a", common + [1, 2])  # 10 tokens: 2 full blocks + a partial one
+    assert len(kv.pool.cached) == 2  # the partial block carries no hash
+    b_tokens = common + [1, 2]  # identical prompt
     prefix = kv.find_cached_prefix("b", b_tokens)
     assert prefix == a[:2]
     b = kv.allocate("b", len(b_tokens), prefix)
@@ -131,14 +143,14 @@ def test_same_full_prefix_blocks_are_shared_and_partial_last_block_is_not() -> N
 
 def test_find_cached_prefix_always_leaves_a_token_to_compute() -> None:
     kv = KVCacheManager(num_blocks=16, block_size=BS)
-    tokens = toks(3 * BS)                         # exactly 3 full blocks
+    tokens = toks(3 * BS)  # exactly 3 full blocks
     a = admit(kv, "a", tokens)
     assert len(kv.pool.cached) == 3
     prefix = kv.find_cached_prefix("b", tokens)
-    assert prefix == a[:2]                        # not all 3: the last token must be computed
+    assert prefix == a[:2]  # not all 3: the last token must be computed
     assert len(tokens) - len(prefix) * BS >= 1
     assert kv.find_cached_prefix("c", tokens[:1]) == []
-    assert kv.find_cached_prefix("d", tokens + [5]) == a   # one more token: all 3 blocks hit
+    assert kv.find_cached_prefix("d", tokens + [5]) == a  # one more token: all 3 blocks hit
 
 
 def test_cached_prefix_survives_free_and_is_reused() -> None:
@@ -187,7 +199,7 @@ def test_cache_blocks_registers_blocks_as_they_fill() -> None:
     blocks = kv.allocate("a", len(tokens))
     kv.cache_blocks("a", tokens, BS - 1)
     assert kv.pool.cached == {}
-    kv.cache_blocks("a", tokens, BS + 2)          # first block full
+    kv.cache_blocks("a", tokens, BS + 2)  # first block full
     assert kv.pool.cached == {hash_full_blocks(tokens[:BS], BS)[0]: blocks[0]}
     kv.cache_blocks("a", tokens, 3 * BS)
     expected = hash_full_blocks(tokens, BS)
@@ -197,12 +209,13 @@ def test_cache_blocks_registers_blocks_as_they_fill() -> None:
 
 # ----- LRU eviction -----
 
+
 def test_eviction_is_least_recently_freed_first_and_tail_before_head() -> None:
     kv = KVCacheManager(num_blocks=6, block_size=BS)
     a_tokens, b_tokens = toks(3 * BS), toks(3 * BS, start=500)
     a = admit(kv, "a", a_tokens)
     b = admit(kv, "b", b_tokens)
-    kv.free("a")                                  # a freed before b
+    kv.free("a")  # a freed before b
     kv.free("b")
     assert kv.stats().num_cached == 6
     assert list(kv.pool.evictable) == a[::-1] + b[::-1]
@@ -215,7 +228,7 @@ def test_eviction_is_least_recently_freed_first_and_tail_before_head() -> None:
 
 def test_eviction_drops_the_hash_and_keeps_the_head_findable() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=BS)
-    tokens = toks(3 * BS + 1)                     # 3 full blocks + 1 partial
+    tokens = toks(3 * BS + 1)  # 3 full blocks + 1 partial
     a = admit(kv, "a", tokens)
     kv.free("a")
     tail_hash = kv.pool.block_hashes[a[2]]
@@ -235,7 +248,7 @@ def test_eviction_drops_the_hash_and_keeps_the_head_findable() -> None:
 
 def test_refreed_blocks_move_to_the_back_of_the_queue() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=BS)
-    a = admit(kv, "a", toks(BS + 1))              # block 0 hashed
+    a = admit(kv, "a", toks(BS + 1))  # block 0 hashed
     kv.free("a")
     b = admit(kv, "b", toks(BS, start=700))
     kv.free("b")
@@ -250,12 +263,13 @@ def test_refreed_blocks_move_to_the_back_of_the_queue() -> None:
 
 # ----- the integrity checker itself -----
 
+
 def busy_manager() -> KVCacheManager:
     kv = KVCacheManager(num_blocks=8, block_size=BS)
     admit(kv, "a", toks(2 * BS + 1))
-    admit(kv, "b", toks(2 * BS + 1))              # shares 2 blocks with a
+    admit(kv, "b", toks(2 * BS + 1))  # shares 2 blocks with a
     admit(kv, "c", toks(BS + 1, start=300))
-    kv.free("c")                                  # leaves a cached block
+    kv.free("c")  # leaves a cached block
     kv.check_integrity()
     return kv
 
@@ -277,7 +291,7 @@ def test_integrity_detects_wrong_ref_count() -> None:
 def test_integrity_detects_block_held_without_reference() -> None:
     kv = busy_manager()
     stolen = next(iter(kv.pool.evictable))
-    kv.req_blocks["a"].append(stolen)             # held by a request but ref 0 and evictable
+    kv.req_blocks["a"].append(stolen)  # held by a request but ref 0 and evictable
     with pytest.raises(AssertionError):
         kv.check_integrity()
 
@@ -291,7 +305,7 @@ def test_integrity_detects_block_in_use_and_evictable() -> None:
 
 def test_integrity_detects_unreferenced_block_missing_from_queue() -> None:
     kv = busy_manager()
-    kv.pool.evictable.popitem(last=False)         # leaked: ref 0 but not allocatable
+    kv.pool.evictable.popitem(last=False)  # leaked: ref 0 but not allocatable
     with pytest.raises(AssertionError, match="evictable"):
         kv.check_integrity()
 
@@ -299,7 +313,7 @@ def test_integrity_detects_unreferenced_block_missing_from_queue() -> None:
 def test_integrity_detects_stale_index_entry() -> None:
     kv = busy_manager()
     block_hash, block = next(iter(kv.pool.cached.items()))
-    kv.pool.block_hashes[block] = b"\x00" * 16    # the block was overwritten, the index not updated
+    kv.pool.block_hashes[block] = b"\x00" * 16  # the block was overwritten, the index not updated
     with pytest.raises(AssertionError, match="prefix index"):
         kv.check_integrity()
 
@@ -315,12 +329,13 @@ def test_integrity_detects_hash_unknown_to_the_index() -> None:
 def test_integrity_detects_request_holding_blocks_after_free() -> None:
     kv = busy_manager()
     blocks = kv.blocks_of("a")
-    kv.pool.release(list(blocks))                 # released behind the manager's back
+    kv.pool.release(list(blocks))  # released behind the manager's back
     with pytest.raises(AssertionError, match="ref counts"):
         kv.check_integrity()
 
 
 # ----- block hashes -----
+
 
 def test_hash_chaining_depends_on_the_prefix() -> None:
     block = [5, 6, 7, 8]
@@ -338,10 +353,10 @@ def test_hash_chaining_depends_on_the_prefix() -> None:
 def test_hash_full_blocks_incremental_equals_full() -> None:
     tokens = toks(5 * BS + 3)
     full = hash_full_blocks(tokens, BS)
-    assert len(full) == 5                         # the partial tail is not hashed
+    assert len(full) == 5  # the partial tail is not hashed
     rest = hash_full_blocks(tokens, BS, start_block=2, parent=full[1])
     assert full[2:] == rest
-    assert hash_full_blocks(tokens[:BS - 1], BS) == []
+    assert hash_full_blocks(tokens[: BS - 1], BS) == []
 
 
 def test_block_hashes_are_stable() -> None:
@@ -357,10 +372,12 @@ def test_block_hashes_are_stable() -> None:
     assert hash_block(a, [5, 6, 7, 8]).hex() == GOLDEN_SECOND
     assert hash_block(None, [2**40, 0, 1, 50000]).hex() == GOLDEN_LARGE
 
-
     # the format: blake2b-128 over the parent digest followed by the ids as little-endian int64
     assert a == hashlib.blake2b(struct.pack("<4q", *ids), digest_size=16).digest()
-    assert hash_block(a, [5, 6, 7, 8]) == hashlib.blake2b(a + struct.pack("<4q", 5, 6, 7, 8), digest_size=16).digest()
+    assert (
+        hash_block(a, [5, 6, 7, 8])
+        == hashlib.blake2b(a + struct.pack("<4q", 5, 6, 7, 8), digest_size=16).digest()
+    )
 
 
 GOLDEN_FIRST = "087a24230771ee662be37e5493b333d7"

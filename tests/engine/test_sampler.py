@@ -1,4 +1,5 @@
 """Sampler: greedy, filtering order, seeding, distribution, logprobs, bans."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,7 +16,8 @@ def gen(seed: int) -> torch.Generator:
 
 
 def draw(logits_row: torch.Tensor, params: P, n: int, seed: int = 0) -> torch.Tensor:
-    """n independent samples of one row [V], as one batch of n rows sharing the default generator."""
+    """n independent samples of one row [V], as one batch of n rows sharing the default
+    generator."""
     out = Sampler(seed=seed)(logits_row.expand(n, -1), [params] * n, [None] * n)
     return out.token_ids
 
@@ -161,7 +163,9 @@ def test_logprobs_are_raw_log_softmax_and_top_ids_the_argsort() -> None:
     torch.manual_seed(5)
     logits = torch.randn(4, 40)
     ps = [P(logprobs=3, temperature=0.7), P(), P(logprobs=5, temperature=0), P(logprobs=0, top_k=3)]
-    out = Sampler(seed=0)(logits, ps, [None] * 4, banned_token_ids=[[], [], [int(logits[2].argmax())], []])
+    out = Sampler(seed=0)(
+        logits, ps, [None] * 4, banned_token_ids=[[], [], [int(logits[2].argmax())], []]
+    )
     ref = torch.log_softmax(logits, -1)
     assert out.logprobs is not None and out.top_ids is not None and out.top_logprobs is not None
     assert out.logprobs.dtype == torch.float32 and out.top_ids.dtype == torch.int64
@@ -186,7 +190,9 @@ def test_banned_ids_never_sampled() -> None:
     logits = torch.tensor([3.0, 2.0, 1.0, 0.0, 2.5])
     n = 3000
     banned = [[0, 4]] * n
-    out = Sampler(seed=0)(logits.expand(n, -1).clone(), [P(temperature=1.5)] * n, [None] * n, banned)
+    out = Sampler(seed=0)(
+        logits.expand(n, -1).clone(), [P(temperature=1.5)] * n, [None] * n, banned
+    )
     seen = set(out.token_ids.tolist())
     assert seen == {1, 2, 3}
     greedy = Sampler()(logits[None], [P(temperature=0)], [None], [[0]])
@@ -196,7 +202,9 @@ def test_banned_ids_never_sampled() -> None:
 def test_inputs_are_not_modified_and_bad_inputs_rejected() -> None:
     logits = torch.randn(2, 10)
     before = logits.clone()
-    Sampler(seed=0)(logits, [P(temperature=0.5, top_k=3), P(min_p=0.2)], [None, gen(0)], [[1, 2], [3]])
+    Sampler(seed=0)(
+        logits, [P(temperature=0.5, top_k=3), P(min_p=0.2)], [None, gen(0)], [[1, 2], [3]]
+    )
     assert torch.equal(logits, before)
     sampler = Sampler()
     with pytest.raises(ValueError, match="one SamplingParams and one generator per row"):

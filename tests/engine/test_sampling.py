@@ -1,4 +1,5 @@
 """SamplingParams validation / normalisation and the stop-string search."""
+
 from __future__ import annotations
 
 import math
@@ -64,17 +65,30 @@ def test_range_is_stated_in_the_message() -> None:
 
 
 def test_good_values_are_accepted_and_normalised() -> None:
-    p = SamplingParams(max_tokens=1, temperature=0, top_k=-1, top_p=1, min_p=1, seed=-3,
-                       stop=["a", "bc"], stop_token_ids=[0, 5], min_tokens=1, logprobs=0)
+    p = SamplingParams(
+        max_tokens=1,
+        temperature=0,
+        top_k=-1,
+        top_p=1,
+        min_p=1,
+        seed=-3,
+        stop=["a", "bc"],
+        stop_token_ids=[0, 5],
+        min_tokens=1,
+        logprobs=0,
+    )
     assert p.stop == ("a", "bc") and p.stop_token_ids == (0, 5)
     assert p.top_k == 0  # -1 and 0 both mean disabled
     assert isinstance(p.temperature, float) and isinstance(p.top_p, float)
     assert p.is_greedy
     assert SamplingParams(stop="END").stop == ("END",)
-    assert SamplingParams(temperature=100, top_k=1, logprobs=MAX_LOGPROBS, seed=2**64 - 1).top_k == 1
+    assert (
+        SamplingParams(temperature=100, top_k=1, logprobs=MAX_LOGPROBS, seed=2**64 - 1).top_k == 1
+    )
     assert not SamplingParams().is_greedy
     assert SamplingParams(temperature=1e-7).is_greedy  # below the greedy epsilon
-    assert hash(SamplingParams(stop=["x"])) == hash(SamplingParams(stop=("x",)))  # hashable once normalised
+    # hashable once normalised
+    assert hash(SamplingParams(stop=["x"])) == hash(SamplingParams(stop=("x",)))
 
 
 def test_frozen() -> None:
@@ -84,11 +98,22 @@ def test_frozen() -> None:
 
 
 def test_from_dict() -> None:
-    p = SamplingParams.from_dict({"max_tokens": 8, "temperature": 0.5, "stop": ["\n"], "seed": None,
-                                  "top_p": None, "ignore_eos": True})
+    p = SamplingParams.from_dict(
+        {
+            "max_tokens": 8,
+            "temperature": 0.5,
+            "stop": ["\n"],
+            "seed": None,
+            "top_p": None,
+            "ignore_eos": True,
+        }
+    )
     assert p == SamplingParams(max_tokens=8, temperature=0.5, stop=("\n",), ignore_eos=True)
     assert SamplingParams.from_dict({}) == SamplingParams()
-    with pytest.raises(ValueError, match=r"unknown sampling parameter\(s\) 'frequency_penalty'.*allowed: max_tokens"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown sampling parameter\(s\) 'frequency_penalty'.*allowed: max_tokens",
+    ):
         SamplingParams.from_dict({"max_tokens": 4, "frequency_penalty": 0.1})
     with pytest.raises(ValueError, match="JSON object"):
         SamplingParams.from_dict([("max_tokens", 4)])  # type: ignore[arg-type]
@@ -122,7 +147,8 @@ def test_find_stop_string_absent_and_tail_only() -> None:
     assert find_stop_string("STOP", ("STOP",), 0) is None  # no new text, nothing to find
     # A stop wholly in old text (before the tail window) is not reported again.
     assert find_stop_string("STOP and then more", ("STOP",), 4) is None
-    # The window is new_text_len + len(stop) - 1: a match starting 3 chars before the new text counts.
+    # The window is new_text_len + len(stop) - 1: a match starting 3 chars before the new text
+    # counts.
     assert find_stop_string("..STOP", ("STOP",), 1) == (2, "STOP")
     assert find_stop_string("..STOPx", ("STOP",), 1) is None
     # new_text_len larger than the text is clamped

@@ -1,4 +1,5 @@
 """Scheduler with a real KVCacheManager and fake sampled tokens: no model, no device."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -8,34 +9,56 @@ import pytest
 from pdmesh_engine.kv_cache import KVCacheManager
 from pdmesh_engine.request import Request, RequestStatus
 from pdmesh_engine.sampling import SamplingParams
-from pdmesh_engine.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput, StepOutput
+from pdmesh_engine.scheduler import (
+    SampledToken,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    StepOutput,
+)
 
 BS = 4
 EOS = 1
 
 
-def make(num_blocks: int = 64, max_num_seqs: int = 8, max_batched: int = 64, max_model_len: int = 256,
-         caching: bool = True) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs, max_batched, max_model_len),
-                     KVCacheManager(num_blocks, BS, caching))
+def make(
+    num_blocks: int = 64,
+    max_num_seqs: int = 8,
+    max_batched: int = 64,
+    max_model_len: int = 256,
+    caching: bool = True,
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_num_seqs, max_batched, max_model_len),
+        KVCacheManager(num_blocks, BS, caching),
+    )
 
 
 def req(rid: str, n: int, start: int = 100, **params) -> Request:
     params.setdefault("ignore_eos", True)
-    return Request(rid, list(range(start, start + n)), SamplingParams(**params), eos_token_ids=(EOS,))
+    return Request(
+        rid, list(range(start, start + n)), SamplingParams(**params), eos_token_ids=(EOS,)
+    )
 
 
 def fake_token(request: Request) -> int:
-    """A deterministic 'sample': depends only on the request's tokens so far (like greedy decoding)."""
+    """A deterministic 'sample': depends only on the request's tokens so far (like greedy
+    decoding)."""
     return 10 + (sum(request.all_token_ids) * 31 + request.num_tokens) % 500
 
 
-def step(s: Scheduler, token_fn: Callable[[Request], int] = fake_token) -> tuple[SchedulerOutput, list[StepOutput]]:
-    """One engine step: schedule, 'run the model' (sample for rows that need it), update; check integrity."""
+def step(
+    s: Scheduler, token_fn: Callable[[Request], int] = fake_token
+) -> tuple[SchedulerOutput, list[StepOutput]]:
+    """One engine step: schedule, 'run the model' (sample for rows that need it), update; check
+    integrity."""
     out = s.schedule()
     _check_output(s, out)
-    sampled = {item.request_id: SampledToken(token_fn(s.requests[item.request_id]))
-               for item in out.scheduled if item.needs_sample}
+    sampled = {
+        item.request_id: SampledToken(token_fn(s.requests[item.request_id]))
+        for item in out.scheduled
+        if item.needs_sample
+    }
     results = s.update_from_output(out, sampled)
     s.check_integrity()
     return out, results
@@ -55,15 +78,16 @@ def _check_output(s: Scheduler, out: SchedulerOutput) -> None:
         r = s.requests[item.request_id]
         end = item.start_position + len(item.token_ids)
         assert item.start_position == r.num_computed_tokens
-        assert item.token_ids == r.all_token_ids[item.start_position:end]
+        assert item.token_ids == r.all_token_ids[item.start_position : end]
         assert item.needs_sample == (end == r.num_tokens)
         assert len(item.block_ids) * BS >= end
         assert list(item.block_ids) == s.kv.blocks_of(item.request_id)
     s.check_integrity()
 
 
-def run_all(s: Scheduler, max_steps: int = 500, token_fn: Callable[[Request], int] = fake_token
-            ) -> tuple[dict[str, list[int]], dict[str, str], list[SchedulerOutput]]:
+def run_all(
+    s: Scheduler, max_steps: int = 500, token_fn: Callable[[Request], int] = fake_token
+) -> tuple[dict[str, list[int]], dict[str, str], list[SchedulerOutput]]:
     tokens: dict[str, list[int]] = {}
     reasons: dict[str, str] = {}
     outputs = []
@@ -84,6 +108,7 @@ def run_all(s: Scheduler, max_steps: int = 500, token_fn: Callable[[Request], in
 
 # ----- chunked prefill and batching -----
 
+
 def test_long_prompt_is_chunked_across_steps() -> None:
     s = make(max_batched=8)
     s.add_request(req("a", 20, max_tokens=2))
@@ -96,7 +121,7 @@ def test_long_prompt_is_chunked_across_steps() -> None:
     assert chunks == [(0, 8, False), (8, 8, False), (16, 4, True)]
     r = s.requests["a"]
     assert r.num_computed_tokens == 20 and r.num_output_tokens == 1
-    out, _ = step(s)                              # the decode of the first output token
+    out, _ = step(s)  # the decode of the first output token
     assert [(i.start_position, len(i.token_ids)) for i in out.scheduled] == [(20, 1)]
     assert not s.has_unfinished and s.kv.stats().num_used == 0
 
@@ -107,25 +132,28 @@ def test_token_budget_is_shared_and_decodes_come_first() -> None:
     s.add_request(req("b", 40, start=300, max_tokens=2))
     out, _ = step(s)
     assert [(i.request_id, len(i.token_ids)) for i in out.scheduled] == [("a", 3), ("b", 13)]
-    out, _ = step(s)                              # a decodes (1 token), b gets the other 15
+    out, _ = step(s)  # a decodes (1 token), b gets the other 15
     assert [(i.request_id, i.start_position, len(i.token_ids)) for i in out.scheduled] == [
-        ("a", 3, 1), ("b", 13, 15)]
+        ("a", 3, 1),
+        ("b", 13, 15),
+    ]
     assert out.num_tokens == 16
 
 
 def test_decode_sorted_before_an_earlier_running_prefill() -> None:
     s = make(max_batched=16)
     s.add_request(req("long", 40, max_tokens=2))
-    step(s)                                       # long: 16 of 40
+    step(s)  # long: 16 of 40
     remote = req("remote", 5, start=700, max_tokens=4)
     assert s.reserve(remote) is not None
     s.kv_arrived("remote", 42)
-    out, _ = step(s)                              # long takes the whole budget
+    out, _ = step(s)  # long takes the whole budget
     assert [i.request_id for i in out.scheduled] == ["long"]
-    out, _ = step(s)                              # long's last 8 tokens, then remote's decode
+    out, _ = step(s)  # long's last 8 tokens, then remote's decode
     assert [i.request_id for i in out.scheduled] == ["remote", "long"]
     assert [len(i.token_ids) for i in out.scheduled] == [1, 8]
-    assert [r.request_id for r in s.running] == ["long", "remote"]   # running order is admission order
+    # running order is admission order
+    assert [r.request_id for r in s.running] == ["long", "remote"]
 
 
 def test_needs_sample_only_on_the_last_chunk() -> None:
@@ -135,7 +163,9 @@ def test_needs_sample_only_on_the_last_chunk() -> None:
     while s.has_unfinished:
         out, results = step(s)
         flags.append([i.needs_sample for i in out.scheduled])
-        assert {r.request_id for r in results} == {i.request_id for i in out.scheduled if i.needs_sample}
+        assert {r.request_id for r in results} == {
+            i.request_id for i in out.scheduled if i.needs_sample
+        }
     assert flags == [[False], [False], [True], [True], [True]]
 
 
@@ -172,21 +202,24 @@ def test_admission_is_first_come_first_served() -> None:
 
 def test_head_of_queue_blocks_later_requests_when_blocks_are_short() -> None:
     s = make(num_blocks=6, max_batched=64)
-    s.add_request(req("a", 12, max_tokens=8))      # 3 blocks, grows to 5
+    s.add_request(req("a", 12, max_tokens=8))  # 3 blocks, grows to 5
     step(s)
-    s.add_request(req("big", 14, start=300, max_tokens=1))   # needs 4 blocks, only 3 free
+    s.add_request(req("big", 14, start=300, max_tokens=1))  # needs 4 blocks, only 3 free
     s.add_request(req("small", 2, start=600, max_tokens=1))  # would fit, but must wait its turn
     out, _ = step(s)
     assert [i.request_id for i in out.scheduled] == ["a"]
     assert [r.request_id for r in s.waiting] == ["big", "small"]
     tokens, reasons, outputs = run_all(s)
-    firsts = [next(k for k, o in enumerate(outputs) if any(i.request_id == r for i in o.scheduled))
-              for r in ("big", "small")]
+    firsts = [
+        next(k for k, o in enumerate(outputs) if any(i.request_id == r for i in o.scheduled))
+        for r in ("big", "small")
+    ]
     assert firsts[0] <= firsts[1]
     assert reasons == {"a": "length", "big": "length", "small": "length"}
 
 
 # ----- preemption -----
+
 
 def test_preemption_frees_the_latest_request_and_it_finishes_later() -> None:
     # 6 blocks of 4; a and b grow to 8 + 12 = 20 tokens = 5 blocks each: both cannot fit.
@@ -207,7 +240,7 @@ def test_preemption_frees_the_latest_request_and_it_finishes_later() -> None:
                 reasons[r.request_id] = r.finish_reason
         if out.preempted_ids and preempted_at is None:
             preempted_at = k
-            assert out.preempted_ids == ["b"]     # the latest request, not the earlier one
+            assert out.preempted_ids == ["b"]  # the latest request, not the earlier one
             b = s.requests["b"]
             assert b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0
             assert b.num_preemptions == 1
@@ -215,14 +248,18 @@ def test_preemption_frees_the_latest_request_and_it_finishes_later() -> None:
             assert "b" not in {i.request_id for i in out.scheduled}
             assert [r.request_id for r in s.waiting] == ["b", "c"]
             b_tokens_at_preemption = list(b.all_token_ids)
-        elif preempted_at is not None and recompute is None and any(i.request_id == "b" for i in out.scheduled):
+        elif (
+            preempted_at is not None
+            and recompute is None
+            and any(i.request_id == "b" for i in out.scheduled)
+        ):
             recompute = next(i for i in out.scheduled if i.request_id == "b")
     assert preempted_at is not None, "the pool was never short"
     # b is recomputed from scratch (prompt + the outputs it had), minus what the prefix cache kept
     assert recompute is not None and recompute.needs_sample
     assert recompute.start_position % BS == 0
     assert recompute.start_position + len(recompute.token_ids) == len(b_tokens_at_preemption)
-    assert recompute.token_ids == b_tokens_at_preemption[recompute.start_position:]
+    assert recompute.token_ids == b_tokens_at_preemption[recompute.start_position :]
     assert reasons == {"a": "length", "b": "length", "c": "length"}
     assert len(tokens["a"]) == len(tokens["b"]) == 12
     # the outputs are what an unpressured run produces (fake sampling depends only on the tokens)
@@ -258,9 +295,9 @@ def test_many_requests_under_block_pressure_all_finish() -> None:
 def test_preempting_itself_when_alone_and_short() -> None:
     # a waiting-for-KV reservation holds blocks; the running request must give way and retry later
     s = make(num_blocks=4, max_batched=64)
-    s.add_request(req("a", 6, max_tokens=8))       # grows to 14 tokens = 4 blocks
+    s.add_request(req("a", 6, max_tokens=8))  # grows to 14 tokens = 4 blocks
     step(s)
-    assert s.reserve(req("held", 7, start=500, max_tokens=1)) is not None   # 2 blocks
+    assert s.reserve(req("held", 7, start=500, max_tokens=1)) is not None  # 2 blocks
     preempted = []
     for _ in range(10):
         out, _ = step(s)
@@ -275,6 +312,7 @@ def test_preempting_itself_when_alone_and_short() -> None:
 
 
 # ----- abort -----
+
 
 def test_abort_while_waiting() -> None:
     s = make()
@@ -310,7 +348,7 @@ def test_abort_mid_decode_and_unknown_ids() -> None:
         step(s)
     assert s.requests["a"].num_output_tokens == 3
     assert s.abort("a")
-    assert not s.abort("a")                       # already gone
+    assert not s.abort("a")  # already gone
     assert not s.abort("nope")
     s.check_integrity()
     tokens, reasons, _ = run_all(s)
@@ -333,6 +371,7 @@ def test_abort_between_schedule_and_update_is_ignored_by_update() -> None:
 
 # ----- WAITING_FOR_KV (disaggregated prefill) -----
 
+
 def test_reserve_then_kv_arrived_decodes_from_prompt_length() -> None:
     s = make(num_blocks=16)
     r = req("r", 10, max_tokens=3)
@@ -344,7 +383,7 @@ def test_reserve_then_kv_arrived_decodes_from_prompt_length() -> None:
     for _ in range(3):
         out, _ = step(s)
         assert "r" not in {i.request_id for i in out.scheduled}
-    assert s.kv_arrived("r", 77) is None         # not finished: it goes on decoding
+    assert s.kv_arrived("r", 77) is None  # not finished: it goes on decoding
     assert r.output_token_ids == [77] and r.num_computed_tokens == 10
     out, results = step(s)
     [item] = [i for i in out.scheduled if i.request_id == "r"]
@@ -366,11 +405,17 @@ def test_kv_arrived_without_first_token_recomputes_the_last_prompt_token() -> No
     run_all(s)
 
 
-@pytest.mark.parametrize("params, first, reason, stop_reason", [
-    ({"max_tokens": 1}, 5, "length", None), ({"ignore_eos": False}, EOS, "stop", None),
-    ({"stop_token_ids": [5]}, 5, "stop", 5)])
-def test_kv_arrived_with_a_final_first_token_finishes_at_once(params: dict, first: int, reason: str,
-                                                              stop_reason: int | None) -> None:
+@pytest.mark.parametrize(
+    "params, first, reason, stop_reason",
+    [
+        ({"max_tokens": 1}, 5, "length", None),
+        ({"ignore_eos": False}, EOS, "stop", None),
+        ({"stop_token_ids": [5]}, 5, "stop", 5),
+    ],
+)
+def test_kv_arrived_with_a_final_first_token_finishes_at_once(
+    params: dict, first: int, reason: str, stop_reason: int | None
+) -> None:
     s = make(num_blocks=16)
     r = req("r", 10, **params)
     s.reserve(r)
@@ -388,7 +433,7 @@ def test_reservation_registers_prompt_blocks_in_the_prefix_cache() -> None:
     s = make(num_blocks=16)
     s.reserve(req("r", 9, max_tokens=4))
     s.kv_arrived("r", 5)
-    s.add_request(req("same", 9, max_tokens=1))   # same prompt: 2 full blocks cached
+    s.add_request(req("same", 9, max_tokens=1))  # same prompt: 2 full blocks cached
     out, _ = step(s)
     item = next(i for i in out.scheduled if i.request_id == "same")
     assert item.start_position == 2 * BS
@@ -408,13 +453,13 @@ def test_aborted_reservation_returns_its_blocks() -> None:
 
 def test_reserve_returns_none_when_the_pool_is_short() -> None:
     s = make(num_blocks=4)
-    assert s.reserve(req("a", 12)) is not None    # 3 blocks
+    assert s.reserve(req("a", 12)) is not None  # 3 blocks
     before = (s.kv.stats(), dict(s.kv.req_blocks))
-    r = req("b", 5)                               # 2 blocks, 1 left
+    r = req("b", 5)  # 2 blocks, 1 left
     assert s.reserve(r) is None
     assert (s.kv.stats(), dict(s.kv.req_blocks)) == before
     assert "b" not in s.requests and r.status is RequestStatus.WAITING
-    assert s.reserve(req("b", 4)) is not None     # 1 block fits
+    assert s.reserve(req("b", 4)) is not None  # 1 block fits
     s.check_integrity()
     with pytest.raises(ValueError, match="already in use"):
         s.reserve(req("b", 4))
@@ -422,7 +467,10 @@ def test_reserve_returns_none_when_the_pool_is_short() -> None:
 
 # ----- stop conditions -----
 
-def run_one(params: dict, tokens: list[int], s: Scheduler | None = None) -> tuple[list[int], str, Request]:
+
+def run_one(
+    params: dict, tokens: list[int], s: Scheduler | None = None
+) -> tuple[list[int], str, Request]:
     s = s or make()
     r = req("x", 4, **params)
     s.add_request(r)
@@ -454,7 +502,7 @@ def test_min_tokens_defers_eos_and_stop_tokens() -> None:
     params = {"ignore_eos": False, "stop_token_ids": [9], "min_tokens": 3, "max_tokens": 10}
     got, reason, _ = run_one(params, [EOS, 9, 5, 9, 6])
     assert (got, reason) == ([EOS, 9, 5, 9], "stop")
-    got, reason, _ = run_one(params, [EOS, 9, EOS, 5])   # the 3rd token may stop
+    got, reason, _ = run_one(params, [EOS, 9, EOS, 5])  # the 3rd token may stop
     assert (got, reason) == ([EOS, 9, EOS], "stop")
 
 
@@ -478,6 +526,7 @@ def test_finished_ids_reported_on_the_next_schedule() -> None:
 
 
 # ----- admission checks -----
+
 
 def test_prompt_at_or_over_max_model_len_is_rejected() -> None:
     s = make(max_model_len=16)
@@ -509,6 +558,7 @@ def test_empty_prompt_is_rejected() -> None:
 
 # ----- determinism -----
 
+
 def _workload() -> list[tuple]:
     s = make(num_blocks=14, max_num_seqs=4, max_batched=12)
     for i in range(7):
@@ -518,9 +568,23 @@ def _workload() -> list[tuple]:
         if not s.has_unfinished:
             break
         out, results = step(s)
-        trace.append(([(i.request_id, list(i.token_ids), i.start_position, list(i.block_ids), i.needs_sample)
-                       for i in out.scheduled], list(out.preempted_ids), list(out.finished_ids),
-                      [(r.request_id, r.new_token_ids, r.finish_reason) for r in results]))
+        trace.append(
+            (
+                [
+                    (
+                        i.request_id,
+                        list(i.token_ids),
+                        i.start_position,
+                        list(i.block_ids),
+                        i.needs_sample,
+                    )
+                    for i in out.scheduled
+                ],
+                list(out.preempted_ids),
+                list(out.finished_ids),
+                [(r.request_id, r.new_token_ids, r.finish_reason) for r in results],
+            )
+        )
     assert not s.has_unfinished
     return trace
 

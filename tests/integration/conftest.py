@@ -1,5 +1,6 @@
 """Real meshes for end-to-end tests: processes started by the launcher on loopback, real Redis,
 NIXL and gRPC, a tiny seeded model. One mesh per mode, shared by the tests of a session."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,21 +11,41 @@ from pdmesh.launcher import Mesh, MeshOptions
 from pdmesh_service.redis_server import free_port
 
 # Small KV pools so leaks show up; a small token budget so chunked prefill happens.
-WORKER_ARGS = ("--block-size", "8", "--num-blocks", "160", "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
-               "--torch-threads", "1")
+WORKER_ARGS = (
+    "--block-size",
+    "8",
+    "--num-blocks",
+    "160",
+    "--max-num-batched-tokens",
+    "64",
+    "--max-num-seqs",
+    "16",
+    "--torch-threads",
+    "1",
+)
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from pdmesh.tools.model_init import init_model
 
-    return init_model(tmp_path_factory.mktemp("model") / "tiny", preset="tiny", seed=0, verbose=False)
+    return init_model(
+        tmp_path_factory.mktemp("model") / "tiny", preset="tiny", seed=0, verbose=False
+    )
 
 
 def _start(mode: str, model: Path, log_dir: Path) -> Mesh:
-    options = MeshOptions(model_dir=model, num_prefill=1, num_decode=1, mode=mode, http_port=free_port(),
-                          grpc_port=free_port(), deployment=f"test-{mode}", log_dir=log_dir,
-                          worker_args=WORKER_ARGS)
+    options = MeshOptions(
+        model_dir=model,
+        num_prefill=1,
+        num_decode=1,
+        mode=mode,
+        http_port=free_port(),
+        grpc_port=free_port(),
+        deployment=f"test-{mode}",
+        log_dir=log_dir,
+        worker_args=WORKER_ARGS,
+    )
     mesh = Mesh(options)
     mesh.start(timeout_s=240, progress=lambda line: None)
     return mesh

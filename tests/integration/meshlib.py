@@ -1,4 +1,5 @@
 """Helpers for the end-to-end tests: addresses of a running mesh and its workers' status."""
+
 from __future__ import annotations
 
 import time
@@ -24,18 +25,30 @@ def worker_status(mesh: Mesh, role: str) -> list:
 
     stub_class = decode_pb2_grpc.DecodeStub if role == "decode" else prefill_pb2_grpc.PrefillStub
     statuses = []
-    for address in (a for s in mesh.specs if s.role == role for a in s.addresses):    # every rank of DEP instances
+    for address in (
+        a for s in mesh.specs if s.role == role for a in s.addresses
+    ):  # every rank of DEP instances
         with grpc.insecure_channel(address) as channel:
-            statuses.append(stub_class(channel).Status(common_pb2.StatusRequest(check_integrity=True), timeout=30))
+            statuses.append(
+                stub_class(channel).Status(
+                    common_pb2.StatusRequest(check_integrity=True), timeout=30
+                )
+            )
     return statuses
 
 
 def wait_idle(mesh: Mesh, timeout_s: float = 30.0) -> dict[str, list]:
-    """Every worker rank's status once none runs, waits or holds a block (or the last seen at the timeout)."""
+    """Every worker rank's status once none runs, waits or holds a block (or the last seen at the
+    timeout)."""
     deadline = time.monotonic() + timeout_s
     while True:
         statuses = {role: worker_status(mesh, role) for role in ("prefill", "decode")}
-        busy = [s for group in statuses.values() for s in group if s.num_running or s.num_waiting or s.kv_blocks_used]
+        busy = [
+            s
+            for group in statuses.values()
+            for s in group
+            if s.num_running or s.num_waiting or s.kv_blocks_used
+        ]
         if not busy or time.monotonic() > deadline:
             return statuses
         time.sleep(0.2)

@@ -1,11 +1,12 @@
-"""EPLB end to end: a DEP2 decode instance (2 redundant slots) on a skewed tiny model, a real controller with
-a short window, greedy requests streaming through the gateway, real Redis.
+"""EPLB end to end: a DEP2 decode instance (2 redundant slots) on a skewed tiny model, a real
+controller with a short window, greedy requests streaming through the gateway, real Redis.
 
-- the controller publishes a version, both ranks switch to it (their LoadReports say so) and every output
-  equals the offline engine's, before, across and after the switch;
-- the controller is killed (SIGKILL) right after it wrote a new version: every rank still converges to
-  that version and keeps serving; a restarted controller continues the chain at V+1.
+- the controller publishes a version, both ranks switch to it (their LoadReports say so) and every
+  output equals the offline engine's, before, across and after the switch;
+- the controller is killed (SIGKILL) right after it wrote a new version: every rank still converges
+  to that version and keeps serving; a restarted controller continues the chain at V+1.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,12 +28,30 @@ from pdmesh.launcher import Mesh, MeshOptions
 from pdmesh_service.eplb_protocol import read_loads, read_placement
 from pdmesh_service.redis_server import free_port
 
-PROMPTS = ["The quick brown fox", "def main():\n    return", "1, 2, 3, 4, 5,", "import numpy as np",
-           "Once upon a time, in a land far away,", "x"]
+PROMPTS = [
+    "The quick brown fox",
+    "def main():\n    return",
+    "1, 2, 3, 4, 5,",
+    "import numpy as np",
+    "Once upon a time, in a land far away,",
+    "x",
+]
 MAX_TOKENS = 24
 INSTANCE, MODEL = "decode-0", "target"
-WORKER_ARGS = ("--block-size", "8", "--num-blocks", "160", "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
-               "--torch-threads", "1", "--eplb-report-s", "0.2")
+WORKER_ARGS = (
+    "--block-size",
+    "8",
+    "--num-blocks",
+    "160",
+    "--max-num-batched-tokens",
+    "64",
+    "--max-num-seqs",
+    "16",
+    "--torch-threads",
+    "1",
+    "--eplb-report-s",
+    "0.2",
+)
 CONTROLLER_ARGS = ("--eplb-window-steps", "8", "--eplb-step-interval", "16", "--poll-s", "0.2")
 WAIT_S = 90.0
 
@@ -41,8 +60,13 @@ WAIT_S = 90.0
 def skewed_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from pdmesh.tools.model_init import init_model
 
-    return init_model(tmp_path_factory.mktemp("eplb-model") / "skewed", preset="tiny", seed=5, verbose=False,
-                      expert_skew=1.2)
+    return init_model(
+        tmp_path_factory.mktemp("eplb-model") / "skewed",
+        preset="tiny",
+        seed=5,
+        verbose=False,
+        expert_skew=1.2,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +74,9 @@ def offline(skewed_model: Path) -> dict[str, str]:
     from pdmesh_engine import LLM, SamplingParams
 
     llm = LLM(skewed_model, num_blocks=256, block_size=8)
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    outs = llm.generate(
+        PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    )
     return {p: o.text for p, o in zip(PROMPTS, outs, strict=True)}
 
 
@@ -58,8 +84,12 @@ def start_controller(mesh: Mesh) -> subprocess.Popen:
     """(Re)start the mesh's controller with a short window; the mesh stops it with the rest."""
     spec = next(s for s in mesh.specs if s.role == "eplb")
     log = open(mesh.options.log_dir / f"{spec.name}.log", "ab")
-    process = subprocess.Popen([*spec.argv, *CONTROLLER_ARGS], stdout=log, stderr=subprocess.STDOUT,
-                               stdin=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [*spec.argv, *CONTROLLER_ARGS],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+    )
     log.close()
     mesh.processes[spec.name] = process
     return process
@@ -73,13 +103,24 @@ def kill_controller(mesh: Mesh, sig: int = signal.SIGKILL) -> None:
 
 @pytest.fixture(scope="module")
 def mesh(skewed_model: Path, tmp_path_factory: pytest.TempPathFactory):
-    options = MeshOptions(model_dir=skewed_model, num_prefill=1, num_decode=1, mode="disagg", http_port=free_port(),
-                          grpc_port=free_port(), deployment="test-eplb", log_dir=tmp_path_factory.mktemp("logs-eplb"),
-                          worker_args=WORKER_ARGS, decode_dep=2, num_redundant_experts=2)
+    options = MeshOptions(
+        model_dir=skewed_model,
+        num_prefill=1,
+        num_decode=1,
+        mode="disagg",
+        http_port=free_port(),
+        grpc_port=free_port(),
+        deployment="test-eplb",
+        log_dir=tmp_path_factory.mktemp("logs-eplb"),
+        worker_args=WORKER_ARGS,
+        decode_dep=2,
+        num_redundant_experts=2,
+    )
     mesh = Mesh(options)
     mesh.start(timeout_s=240, progress=lambda line: None)
     try:
-        kill_controller(mesh, signal.SIGTERM)      # the launcher's controller plans every 3000 steps: too slow here
+        # the launcher's controller plans every 3000 steps: too slow here
+        kill_controller(mesh, signal.SIGTERM)
         start_controller(mesh)
         yield mesh
     finally:
@@ -93,6 +134,7 @@ def redis_call(mesh: Mesh, fn: Callable[..., Any], *args: Any) -> Any:
             return await fn(client, mesh.options.deployment, *args)
         finally:
             await client.aclose()
+
     return asyncio.run(run())
 
 
@@ -106,18 +148,30 @@ def running_versions(mesh: Mesh) -> dict[int, int]:
 
 
 def ranks_on_one_version(mesh: Mesh, at_least: int) -> bool:
-    """Both ranks report running one and the same version, `at_least` or newer (the controller may have
-    published the next one within a round of traffic)."""
+    """Both ranks report running one and the same version, `at_least` or newer (the controller may
+    have published the next one within a round of traffic)."""
     versions = running_versions(mesh)
-    return len(versions) == 2 and len(set(versions.values())) == 1 and min(versions.values()) >= at_least
+    return (
+        len(versions) == 2
+        and len(set(versions.values())) == 1
+        and min(versions.values()) >= at_least
+    )
 
 
 class Traffic:
-    """Greedy completions of PROMPTS, round after round (4 at once), checked against the offline engine."""
+    """Greedy completions of PROMPTS, round after round (4 at once), checked against the offline
+    engine."""
 
     def __init__(self, mesh: Mesh, offline: dict[str, str]) -> None:
-        self.client = OpenAI(base_url=f"{http_url(mesh)}/v1", api_key="unused", max_retries=0, timeout=60)
-        self.model, self.offline, self.mismatches, self.completed = mesh.options.model_dir.name, offline, [], 0
+        self.client = OpenAI(
+            base_url=f"{http_url(mesh)}/v1", api_key="unused", max_retries=0, timeout=60
+        )
+        self.model, self.offline, self.mismatches, self.completed = (
+            mesh.options.model_dir.name,
+            offline,
+            [],
+            0,
+        )
         self.pool = ThreadPoolExecutor(4)
 
     def round(self) -> None:
@@ -134,36 +188,50 @@ class Traffic:
             self.round()
 
     def _complete(self, prompt: str) -> str:
-        out = self.client.completions.create(model=self.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                             extra_body={"ignore_eos": True})
+        out = self.client.completions.create(
+            model=self.model,
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         return out.choices[0].text
 
 
-def test_placement_version_advances_on_every_rank_and_outputs_do_not_change(mesh: Mesh,
-                                                                            offline: dict[str, str]) -> None:
+def test_placement_version_advances_on_every_rank_and_outputs_do_not_change(
+    mesh: Mesh, offline: dict[str, str]
+) -> None:
     traffic = Traffic(mesh, offline)
     traffic.until(lambda: published_version(mesh) >= 1, "the controller publishes a placement")
     version = published_version(mesh)
-    traffic.until(lambda: ranks_on_one_version(mesh, version), f"both ranks run version {version} or newer")
-    traffic.round()                                             # served on the new placement
+    traffic.until(
+        lambda: ranks_on_one_version(mesh, version), f"both ranks run version {version} or newer"
+    )
+    traffic.round()  # served on the new placement
     assert traffic.mismatches == [] and traffic.completed >= 2 * len(PROMPTS)
     assert not mesh.failed()
 
 
-def test_controller_killed_after_a_write_leaves_every_rank_on_that_version(mesh: Mesh,
-                                                                           offline: dict[str, str]) -> None:
+def test_controller_killed_after_a_write_leaves_every_rank_on_that_version(
+    mesh: Mesh, offline: dict[str, str]
+) -> None:
     traffic = Traffic(mesh, offline)
     before = published_version(mesh)
     traffic.until(lambda: published_version(mesh) > before, f"a version after {before}")
-    kill_controller(mesh)                                       # right after it wrote V
+    kill_controller(mesh)  # right after it wrote V
     version = published_version(mesh)
-    traffic.until(lambda: running_versions(mesh) == {0: version, 1: version},
-                  f"both ranks converge to version {version} with the controller dead")
-    traffic.round()                                             # still serving, outputs unchanged
+    traffic.until(
+        lambda: running_versions(mesh) == {0: version, 1: version},
+        f"both ranks converge to version {version} with the controller dead",
+    )
+    traffic.round()  # still serving, outputs unchanged
     start_controller(mesh)
     rebalance_until_next(mesh, traffic, version)
-    assert redis_call(mesh, read_placement, INSTANCE, MODEL, version + 1) is not None   # the chain goes on at V+1
-    traffic.until(lambda: ranks_on_one_version(mesh, version + 1), f"both ranks on {version + 1} or newer")
+    # the chain goes on at V+1
+    assert redis_call(mesh, read_placement, INSTANCE, MODEL, version + 1) is not None
+    traffic.until(
+        lambda: ranks_on_one_version(mesh, version + 1), f"both ranks on {version + 1} or newer"
+    )
     assert traffic.mismatches == []
     assert not mesh.failed()
 
@@ -183,7 +251,7 @@ def rebalance_until_next(mesh: Mesh, traffic: Traffic, version: int) -> None:
                 request = eplb_pb2.RebalanceRequest(instance=INSTANCE, model=MODEL, force=True)
                 eplb_pb2_grpc.EplbStub(channel).Rebalance(request, timeout=5)
         except grpc.RpcError:
-            pass                                                # not serving yet
+            pass  # not serving yet
         return published_version(mesh) > version
 
     traffic.until(next_published, f"the restarted controller publishes version {version + 1}")

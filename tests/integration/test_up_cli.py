@@ -1,5 +1,6 @@
-"""`pdmesh up` as a user runs it: it prints where it serves, serves, and on SIGTERM stops every process
-it started (no orphan: Redis, kvstore, prefill, decode, gateway)."""
+"""`pdmesh up` as a user runs it: it prints where it serves, serves, and on SIGTERM stops every
+process it started (no orphan: Redis, kvstore, prefill, decode, gateway)."""
+
 from __future__ import annotations
 
 import signal
@@ -42,9 +43,28 @@ def _alive(pid: int) -> bool:
 
 def test_up_serves_then_stops_everything_on_sigterm(tiny_model, tmp_path) -> None:
     http_port, grpc_port = free_port(), free_port()
-    argv = [sys.executable, "-m", "pdmesh.cli.main", "up", "--model", str(tiny_model), "--port", str(http_port),
-            "--grpc-port", str(grpc_port), "--log-dir", str(tmp_path / "logs"), "--num-blocks", "64",
-            "--block-size", "8", "--torch-threads", "1", "--deployment", "up-cli"]
+    argv = [
+        sys.executable,
+        "-m",
+        "pdmesh.cli.main",
+        "up",
+        "--model",
+        str(tiny_model),
+        "--port",
+        str(http_port),
+        "--grpc-port",
+        str(grpc_port),
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--num-blocks",
+        "64",
+        "--block-size",
+        "8",
+        "--torch-threads",
+        "1",
+        "--deployment",
+        "up-cli",
+    ]
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         banner, deadline = [], time.monotonic() + 240
@@ -57,11 +77,14 @@ def test_up_serves_then_stops_everything_on_sigterm(tiny_model, tmp_path) -> Non
                 break
         text = "".join(banner)
         assert f"http://127.0.0.1:{http_port}/v1" in text and "curl" in text, text
-        reply = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", timeout=60,
-                           json={"model": tiny_model.name, "prompt": "Hello", "max_tokens": 4})
+        reply = httpx.post(
+            f"http://127.0.0.1:{http_port}/v1/completions",
+            timeout=60,
+            json={"model": tiny_model.name, "prompt": "Hello", "max_tokens": 4},
+        )
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
         started = _descendants(process.pid)
-        assert len(started) >= 5                     # redis, kvstore, prefill, decode, gateway
+        assert len(started) >= 5  # redis, kvstore, prefill, decode, gateway
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
         deadline = time.monotonic() + 15

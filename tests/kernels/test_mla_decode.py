@@ -1,5 +1,6 @@
 """MLA paged decode attention: the reference against a naive per-token loop, the Triton kernel
 (under the Triton interpreter, on CPU) against the reference."""
+
 from __future__ import annotations
 
 import os
@@ -9,13 +10,13 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import; see confte
 import pytest
 import torch
 
-from pdmesh_kernels import mla_decode as mla
 from pdmesh_kernels import (
     HAS_TRITON,
     mla_decode_attention,
     mla_decode_attention_ref,
     mla_decode_attention_triton,
 )
+from pdmesh_kernels import mla_decode as mla
 
 # B: batch, H: heads, L: kv_lora_rank, R: rope dim, BS: block size.
 
@@ -27,12 +28,22 @@ def _require_interpreter() -> None:
     from triton.runtime.interpreter import InterpretedFunction
 
     if not isinstance(mla._mla_decode_split_kernel, InterpretedFunction):
-        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set: set it in a conftest "
-                    "loaded earlier (tests/conftest.py)")
+        pytest.fail(
+            "triton was imported before TRITON_INTERPRET=1 was set: set it in a conftest "
+            "loaded earlier (tests/conftest.py)"
+        )
 
 
-def _make_case(batch: int, heads: int, lat: int, rope: int, block_size: int,
-               seq_lens: list[int], dtype: torch.dtype = torch.float32, seed: int = 0):
+def _make_case(
+    batch: int,
+    heads: int,
+    lat: int,
+    rope: int,
+    block_size: int,
+    seq_lens: list[int],
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+):
     """Random queries and a paged cache whose blocks are shuffled across sequences.
 
     Slots past each sequence's length hold GARBAGE; block-table entries past the used blocks
@@ -65,8 +76,10 @@ def _naive(q_latent, q_rope, kv_cache, block_tables, seq_lens, scale) -> torch.T
     block_size = kv_cache.shape[1]
     out = torch.empty(batch, heads, lat, dtype=torch.float64)
     for b in range(batch):
-        rows = [kv_cache[int(block_tables[b, p // block_size]), p % block_size]
-                for p in range(int(seq_lens[b]))]
+        rows = [
+            kv_cache[int(block_tables[b, p // block_size]), p % block_size]
+            for p in range(int(seq_lens[b]))
+        ]
         kv = torch.stack(rows).double()  # [n, L+R]
         scores = scale * (q_latent[b].double() @ kv[:, :lat].T + q_rope[b].double() @ kv[:, lat:].T)
         out[b] = torch.softmax(scores, dim=-1) @ kv[:, :lat]
@@ -138,7 +151,9 @@ def test_more_splits_than_tokens_leaves_empty_splits_harmless() -> None:
 
 def test_dispatcher_uses_reference_on_cpu() -> None:
     args = _make_case(3, 4, 16, 8, 4, [5, 9, 2], seed=4)
-    assert torch.equal(mla_decode_attention(*args, scale=0.3), mla_decode_attention_ref(*args, scale=0.3))
+    assert torch.equal(
+        mla_decode_attention(*args, scale=0.3), mla_decode_attention_ref(*args, scale=0.3)
+    )
 
 
 @needs_triton
@@ -146,7 +161,9 @@ def test_dispatcher_forced_triton() -> None:
     _require_interpreter()
     args = _make_case(3, 4, 16, 8, 4, [5, 9, 2], seed=5)
     out = mla_decode_attention(*args, scale=0.3, use_triton=True)
-    torch.testing.assert_close(out, mla_decode_attention_ref(*args, scale=0.3), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        out, mla_decode_attention_ref(*args, scale=0.3), atol=1e-4, rtol=1e-4
+    )
 
 
 def test_bad_inputs_raise_value_error() -> None:

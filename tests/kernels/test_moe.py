@@ -1,5 +1,6 @@
 """MoE grouped expert MLP and fused_moe: the references against a naive per-token loop, the
 Triton grouped GEMM (under the Triton interpreter, on CPU) against the reference."""
+
 from __future__ import annotations
 
 import os
@@ -10,13 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdmesh_kernels import moe
 from pdmesh_kernels import (
     HAS_TRITON,
     fused_moe,
     grouped_expert_mlp,
     grouped_expert_mlp_ref,
     grouped_expert_mlp_triton,
+    moe,
 )
 
 # T: tokens, K: experts per token, E: experts, D: hidden, I: intermediate, N: sorted rows.
@@ -28,13 +29,15 @@ def _require_interpreter() -> None:
     from triton.runtime.interpreter import InterpretedFunction
 
     if not isinstance(moe._grouped_gemm_kernel, InterpretedFunction):
-        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set: set it in a conftest "
-                    "loaded earlier (tests/conftest.py)")
+        pytest.fail(
+            "triton was imported before TRITON_INTERPRET=1 was set: set it in a conftest "
+            "loaded earlier (tests/conftest.py)"
+        )
 
 
 def _weights(experts: int, dim: int, inter: int, gen: torch.Generator):
-    w13 = torch.randn(experts, 2 * inter, dim, generator=gen) / dim ** 0.5
-    w2 = torch.randn(experts, dim, inter, generator=gen) / inter ** 0.5
+    w13 = torch.randn(experts, 2 * inter, dim, generator=gen) / dim**0.5
+    w2 = torch.randn(experts, dim, inter, generator=gen) / inter**0.5
     return w13, w2
 
 
@@ -56,7 +59,7 @@ def _naive_fused(hidden, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     for t in range(hidden.shape[0]):
         for k in range(topk_ids.shape[1]):
             e = int(topk_ids[t, k])
-            out[t] += float(topk_weights[t, k]) * _expert_mlp(hidden[t:t + 1], w13, w2, e)[0]
+            out[t] += float(topk_weights[t, k]) * _expert_mlp(hidden[t : t + 1], w13, w2, e)[0]
     return out
 
 
@@ -80,7 +83,9 @@ def test_grouped_reference_matches_naive_loop(case) -> None:
     x, counts_t = _sorted_rows(counts, dim, gen)
     out = grouped_expert_mlp_ref(x, counts_t, w13, w2)
     experts = torch.repeat_interleave(torch.arange(len(counts)), counts_t)
-    expected = torch.cat([_expert_mlp(x[n:n + 1], w13, w2, int(experts[n])) for n in range(x.shape[0])])
+    expected = torch.cat(
+        [_expert_mlp(x[n : n + 1], w13, w2, int(experts[n])) for n in range(x.shape[0])]
+    )
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -102,8 +107,9 @@ def test_fused_moe_reference_matches_naive_loop(case) -> None:
     weights, ids = _routing(tokens, experts, top_k, gen)
     out = fused_moe(hidden, w13, w2, weights, ids, use_triton=False)
     assert out.shape == hidden.shape and out.dtype == hidden.dtype
-    torch.testing.assert_close(out.double(), _naive_fused(hidden, w13, w2, weights, ids),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        out.double(), _naive_fused(hidden, w13, w2, weights, ids), atol=1e-5, rtol=1e-5
+    )
 
 
 @needs_triton
@@ -115,7 +121,9 @@ def test_grouped_triton_matches_reference_fp32(case) -> None:
     w13, w2 = _weights(len(counts), dim, inter, gen)
     x, counts_t = _sorted_rows(counts, dim, gen)
     out = grouped_expert_mlp_triton(x, counts_t, w13, w2)
-    torch.testing.assert_close(out, grouped_expert_mlp_ref(x, counts_t, w13, w2), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        out, grouped_expert_mlp_ref(x, counts_t, w13, w2), atol=1e-4, rtol=1e-4
+    )
 
 
 @needs_triton
@@ -144,8 +152,9 @@ def test_fused_moe_triton_matches_reference_bf16() -> None:
     args = (hidden.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights, ids)
     out = fused_moe(*args, use_triton=True)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), fused_moe(*args, use_triton=False).float(),
-                               atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(
+        out.float(), fused_moe(*args, use_triton=False).float(), atol=3e-2, rtol=3e-2
+    )
 
 
 @needs_triton
@@ -153,7 +162,7 @@ def test_row_block_map_covers_every_row_once() -> None:
     counts = torch.tensor([40, 0, 1, 17, 0, 2, 0, 9])
     experts, starts, ends = moe._row_block_map(counts, int(counts.sum()), 16)
     owner = torch.full((int(counts.sum()),), -1)
-    for e, s, t in zip(experts.tolist(), starts.tolist(), ends.tolist()):
+    for e, s, t in zip(experts.tolist(), starts.tolist(), ends.tolist(), strict=True):
         rows = torch.arange(s, min(t, s + 16))
         assert (owner[rows] == -1).all()
         owner[rows] = e
@@ -164,7 +173,9 @@ def test_dispatchers_use_reference_on_cpu() -> None:
     gen = torch.Generator().manual_seed(5)
     w13, w2 = _weights(4, 16, 16, gen)
     x, counts = _sorted_rows([2, 0, 3, 1], 16, gen)
-    assert torch.equal(grouped_expert_mlp(x, counts, w13, w2), grouped_expert_mlp_ref(x, counts, w13, w2))
+    assert torch.equal(
+        grouped_expert_mlp(x, counts, w13, w2), grouped_expert_mlp_ref(x, counts, w13, w2)
+    )
 
 
 def test_no_tokens_gives_empty_output() -> None:

@@ -1,4 +1,5 @@
 """The client SDK against a small fake gateway servicer served by real gRPC on loopback."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,8 +12,18 @@ from concurrent import futures
 import grpc
 import pytest
 
-from pdmesh_client import (AsyncClient, Chunk, Client, Completion, GenerateError, InvalidRequest, ModelNotFound,
-                           ServiceUnavailable, TokenLogprob, Usage)
+from pdmesh_client import (
+    AsyncClient,
+    Chunk,
+    Client,
+    Completion,
+    GenerateError,
+    InvalidRequest,
+    ModelNotFound,
+    ServiceUnavailable,
+    TokenLogprob,
+    Usage,
+)
 from pdmesh_proto.common.v1 import common_pb2
 from pdmesh_proto.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -41,21 +52,30 @@ class FakeGateway(gateway_pb2_grpc.GenerateServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, "no ready decode instance")
 
     def _words(self, request: gateway_pb2.GenerateRequest) -> list[str]:
-        return WORDS[:request.sampling.max_tokens]
+        return WORDS[: request.sampling.max_tokens]
 
     @staticmethod
     def _logprobs(n: int, start: int = 0) -> list[common_pb2.TokenLogprob]:
-        return [common_pb2.TokenLogprob(token_id=10 + start + i, logprob=-0.5,
-                                        top=[common_pb2.TopLogprob(token_id=3, logprob=-1.5)]) for i in range(n)]
+        return [
+            common_pb2.TokenLogprob(
+                token_id=10 + start + i,
+                logprob=-0.5,
+                top=[common_pb2.TopLogprob(token_id=3, logprob=-1.5)],
+            )
+            for i in range(n)
+        ]
 
     def Generate(self, request, context):
         self._check(request, context)
         words = self._words(request)
         return gateway_pb2.GenerateResponse(
-            request_id=request.request_id or "gen-1", token_ids=[10 + i for i in range(len(words))], text="".join(words),
+            request_id=request.request_id or "gen-1",
+            token_ids=[10 + i for i in range(len(words))],
+            text="".join(words),
             logprobs=self._logprobs(len(words)) if request.sampling.HasField("logprobs") else [],
-            finish_reason=common_pb2.FINISH_REASON_LENGTH, usage=common_pb2.Usage(prompt_tokens=2,
-                                                                                  completion_tokens=len(words)))
+            finish_reason=common_pb2.FINISH_REASON_LENGTH,
+            usage=common_pb2.Usage(prompt_tokens=2, completion_tokens=len(words)),
+        )
 
     def GenerateStream(self, request, context) -> Iterator[gateway_pb2.GenerateChunk]:
         self._check(request, context)
@@ -68,10 +88,17 @@ class FakeGateway(gateway_pb2_grpc.GenerateServicer):
                 time.sleep(0.05)
             last = i == len(words) - 1
             yield gateway_pb2.GenerateChunk(
-                request_id="gen-2", token_ids=[10 + i], text=word,
-                finish_reason=common_pb2.FINISH_REASON_STOP if last else common_pb2.FINISH_REASON_UNSPECIFIED,
-                stop_reason="!" if last else "", usage=common_pb2.Usage(prompt_tokens=2, completion_tokens=i + 1,
-                                                                        cached_tokens=1) if last else None)
+                request_id="gen-2",
+                token_ids=[10 + i],
+                text=word,
+                finish_reason=common_pb2.FINISH_REASON_STOP
+                if last
+                else common_pb2.FINISH_REASON_UNSPECIFIED,
+                stop_reason="!" if last else "",
+                usage=common_pb2.Usage(prompt_tokens=2, completion_tokens=i + 1, cached_tokens=1)
+                if last
+                else None,
+            )
 
     def ListModels(self, request, context):
         return gateway_pb2.ListModelsResponse(models=["tiny"])
@@ -91,19 +118,40 @@ def gateway() -> Iterator[tuple[FakeGateway, str]]:
 def test_generate_returns_a_typed_completion_and_sends_the_settings(gateway) -> None:
     fake, address = gateway
     with Client(address, timeout=10) as client:
-        result = client.generate("Hi", max_tokens=3, temperature=0.0, top_k=5, seed=7, stop=["!"],
-                                 stop_token_ids=[2], logprobs=1, request_id="mine")
+        result = client.generate(
+            "Hi",
+            max_tokens=3,
+            temperature=0.0,
+            top_k=5,
+            seed=7,
+            stop=["!"],
+            stop_token_ids=[2],
+            logprobs=1,
+            request_id="mine",
+        )
         by_ids = client.generate([1, 2, 3], max_tokens=1)
         assert client.models() == ["tiny"]
-    assert result == Completion("mine", "Hello there,", (10, 11, 12), "length", Usage(2, 3),
-                                tuple(TokenLogprob(10 + i, -0.5, ((3, -1.5),)) for i in range(3)), None)
+    assert result == Completion(
+        "mine",
+        "Hello there,",
+        (10, 11, 12),
+        "length",
+        Usage(2, 3),
+        tuple(TokenLogprob(10 + i, -0.5, ((3, -1.5),)) for i in range(3)),
+        None,
+    )
     assert result.usage.total_tokens == 5 and by_ids.text == "Hello" and by_ids.logprobs == ()
     sent = fake.requests[0]
-    assert (sent.text, sent.request_id, sent.sampling.max_tokens, sent.sampling.top_k, sent.sampling.seed) == \
-        ("Hi", "mine", 3, 5, 7)
+    assert (
+        sent.text,
+        sent.request_id,
+        sent.sampling.max_tokens,
+        sent.sampling.top_k,
+        sent.sampling.seed,
+    ) == ("Hi", "mine", 3, 5, 7)
     assert sent.sampling.HasField("temperature") and sent.sampling.temperature == 0.0
     assert list(sent.sampling.stop) == ["!"] and list(sent.sampling.stop_token_ids) == [2]
-    assert not fake.requests[1].sampling.HasField("temperature")      # unset: the server's default
+    assert not fake.requests[1].sampling.HasField("temperature")  # unset: the server's default
     assert list(fake.requests[1].token_ids.ids) == [1, 2, 3]
 
 
@@ -111,21 +159,31 @@ def test_stream_yields_chunks_with_the_finish_on_the_last(gateway) -> None:
     _, address = gateway
     with Client(address, timeout=10) as client:
         chunks = list(client.stream("Hi", max_tokens=5))
-    assert "".join(c.text for c in chunks) == "".join(WORDS) and [c.token_ids for c in chunks][0] == (10,)
+    assert "".join(c.text for c in chunks) == "".join(WORDS) and [c.token_ids for c in chunks][
+        0
+    ] == (10,)
     assert all(c.finish_reason is None and c.usage is None for c in chunks[:-1])
     assert chunks[-1] == Chunk("gen-2", "!", (14,), (), "stop", "!", Usage(2, 5, 1))
 
 
-@pytest.mark.parametrize("prompt,model,error,code", [
-    ("bad", "", InvalidRequest, "INVALID_ARGUMENT"), ("Hi", "nope", ModelNotFound, "NOT_FOUND"),
-    ("down", "", ServiceUnavailable, "UNAVAILABLE")])
-def test_errors_are_mapped_to_typed_exceptions(gateway, prompt: str, model: str, error: type, code: str) -> None:
+@pytest.mark.parametrize(
+    "prompt,model,error,code",
+    [
+        ("bad", "", InvalidRequest, "INVALID_ARGUMENT"),
+        ("Hi", "nope", ModelNotFound, "NOT_FOUND"),
+        ("down", "", ServiceUnavailable, "UNAVAILABLE"),
+    ],
+)
+def test_errors_are_mapped_to_typed_exceptions(
+    gateway, prompt: str, model: str, error: type, code: str
+) -> None:
     fake, address = gateway
     with Client(address, timeout=10, max_retries=2, backoff_s=0.01) as client:
         with pytest.raises(error) as info:
             client.generate(prompt, model=model)
     assert isinstance(info.value, GenerateError) and info.value.code == code and info.value.message
-    assert fake.attempts[prompt] == (3 if code == "UNAVAILABLE" else 1)    # only UNAVAILABLE is retried
+    # only UNAVAILABLE is retried
+    assert fake.attempts[prompt] == (3 if code == "UNAVAILABLE" else 1)
 
 
 def test_unary_call_is_retried_after_unavailable(gateway) -> None:
@@ -135,7 +193,7 @@ def test_unary_call_is_retried_after_unavailable(gateway) -> None:
         assert fake.attempts["flaky"] == 2
         with pytest.raises(ServiceUnavailable):
             with Client(address, max_retries=0) as once:
-                once.generate("flaky")                          # attempt 3 fails and nothing retries it
+                once.generate("flaky")  # attempt 3 fails and nothing retries it
 
 
 def test_stream_retries_only_before_the_first_chunk(gateway) -> None:
@@ -173,9 +231,16 @@ def test_async_client_has_the_same_api(gateway) -> None:
             with pytest.raises(ServiceUnavailable):
                 async for chunk in client.stream("midway"):
                     received.append(chunk.text)
-        assert result.text == "Hello there" and len(result.logprobs) == 2 and fake.attempts["flaky"] == 2
-        assert chunks[-1].finish_reason == "stop" and "".join(c.text for c in chunks) == "".join(WORDS)
+        assert (
+            result.text == "Hello there"
+            and len(result.logprobs) == 2
+            and fake.attempts["flaky"] == 2
+        )
+        assert chunks[-1].finish_reason == "stop" and "".join(c.text for c in chunks) == "".join(
+            WORDS
+        )
         assert models == ["tiny"] and received == ["Hello"]
+
     asyncio.run(asyncio.wait_for(main(), 30))
 
 
@@ -184,10 +249,13 @@ def test_finish_reasons_and_sampling_fields_come_from_the_proto() -> None:
 
     numbers = {number for _, number in common_pb2.FinishReason.items()}
     assert set(FINISH_REASONS) == numbers - {common_pb2.FINISH_REASON_UNSPECIFIED}
-    assert FINISH_REASONS[common_pb2.FINISH_REASON_ABORT] == "abort" and set(FINISH_REASONS.values()) == \
-        {"stop", "length", "abort"}
-    pb = sampling_pb({name: None for name in (f.name for f in common_pb2.SamplingParams.DESCRIPTOR.fields)})
-    assert pb == common_pb2.SamplingParams()                   # every field is known; None leaves it unset
+    assert FINISH_REASONS[common_pb2.FINISH_REASON_ABORT] == "abort" and set(
+        FINISH_REASONS.values()
+    ) == {"stop", "length", "abort"}
+    pb = sampling_pb(
+        {name: None for name in (f.name for f in common_pb2.SamplingParams.DESCRIPTOR.fields)}
+    )
+    assert pb == common_pb2.SamplingParams()  # every field is known; None leaves it unset
     with pytest.raises(ValueError, match="unknown sampling settings"):
         sampling_pb({"temprature": 0.5})
     request = build_request("Hi", max_tokens=3, stop="!", seed=5, stop_token_ids=[2])

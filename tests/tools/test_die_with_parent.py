@@ -1,4 +1,6 @@
-"""`pdmesh_service.process.die_with_parent`: the launcher's services and a DEP supervisor's ranks end with it."""
+"""`pdmesh_service.process.die_with_parent`: the launcher's services and a DEP supervisor's ranks
+end with it."""
+
 from __future__ import annotations
 
 import os
@@ -28,7 +30,9 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
 def test_the_child_gets_the_signal_when_its_parent_exits() -> None:
-    out = subprocess.run([sys.executable, "-c", PARENT], capture_output=True, text=True, check=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", PARENT], capture_output=True, text=True, check=True, timeout=60
+    )
     pid = int(out.stdout.split()[0])
     deadline = time.monotonic() + 10
     while _alive(pid) and time.monotonic() < deadline:

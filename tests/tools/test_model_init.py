@@ -1,4 +1,6 @@
-"""`pdmesh model init`: the random checkpoint loads in transformers, is seeded, sized and laid out as DeepSeek-V3."""
+"""`pdmesh model init`: the random checkpoint loads in transformers, is seeded, sized and laid out
+as DeepSeek-V3."""
+
 from __future__ import annotations
 
 import json
@@ -10,9 +12,17 @@ import torch
 from safetensors import safe_open
 
 from pdmesh.tools import model_init
+from pdmesh.tools.model_init import (
+    PRESETS,
+    cache_root,
+    count_mtp_parameters,
+    count_parameters,
+    default_model_dir,
+    init_model,
+    preset_config,
+    preset_model_config,
+)
 from pdmesh_engine.config import ModelConfig
-from pdmesh.tools.model_init import (PRESETS, cache_root, count_mtp_parameters, count_parameters, default_model_dir,
-                                      init_model, preset_config, preset_model_config)
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,7 +39,9 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def hf_model(tiny_dir: Path):
-    model, info = transformers.DeepseekV3ForCausalLM.from_pretrained(str(tiny_dir), output_loading_info=True)
+    model, info = transformers.DeepseekV3ForCausalLM.from_pretrained(
+        str(tiny_dir), output_loading_info=True
+    )
     return model.eval(), info
 
 
@@ -37,7 +49,9 @@ def test_transformers_loads_without_missing_keys(hf_model) -> None:
     _, info = hf_model
     assert not info["missing_keys"] and not info["mismatched_keys"]
     mtp_prefix = f"model.layers.{PRESETS['tiny']['num_hidden_layers']}."
-    assert info["unexpected_keys"] and all(k.startswith(mtp_prefix) for k in info["unexpected_keys"])
+    assert info["unexpected_keys"] and all(
+        k.startswith(mtp_prefix) for k in info["unexpected_keys"]
+    )
 
 
 def test_names_and_shapes_match_save_pretrained(tiny_dir: Path) -> None:
@@ -65,12 +79,14 @@ def test_loaded_values_and_spread(tiny_dir: Path, hf_model) -> None:
         logits = model(ids).logits[0]
     assert logits.std() > 1.0
     top2 = logits.topk(2, dim=-1).values
-    assert (top2[:, 0] - top2[:, 1]).median() > 0.05                      # no near-ties at the argmax
+    assert (top2[:, 0] - top2[:, 1]).median() > 0.05  # no near-ties at the argmax
     bias = ours["model.layers.1.mlp.gate.e_score_correction_bias"]
     assert bias.abs().min() > 0 and 0.01 < bias.std() < 0.2
     gate = ours["model.layers.1.mlp.gate.weight"]
-    scores = torch.sigmoid(torch.randn(256, gate.shape[1], generator=torch.Generator().manual_seed(0)) @ gate.T)
-    assert scores.std() > 0.1                                             # router scores well spread
+    scores = torch.sigmoid(
+        torch.randn(256, gate.shape[1], generator=torch.Generator().manual_seed(0)) @ gate.T
+    )
+    assert scores.std() > 0.1  # router scores well spread
 
 
 def test_model_config_parses(tiny_dir: Path) -> None:
@@ -92,8 +108,14 @@ def test_mtp_layer(tiny_dir: Path) -> None:
     assert t[f"{p}.shared_head.head.weight"].shape == (v, h)
     assert torch.equal(t[f"{p}.shared_head.head.weight"], t["lm_head.weight"])
     assert torch.equal(t[f"{p}.embed_tokens.weight"], t["model.embed_tokens.weight"])
-    for name in ("self_attn.kv_b_proj.weight", "mlp.gate.weight", "mlp.experts.7.down_proj.weight",
-                 "mlp.shared_experts.up_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"):
+    for name in (
+        "self_attn.kv_b_proj.weight",
+        "mlp.gate.weight",
+        "mlp.experts.7.down_proj.weight",
+        "mlp.shared_experts.up_proj.weight",
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+    ):
         assert t[f"{p}.{name}"].shape == t[f"model.layers.1.{name}"].shape
 
 
@@ -120,7 +142,10 @@ def test_parameter_counts() -> None:
     assert 100e6 <= total <= 200e6 and 20e6 <= active <= 30e6
     small = PRESETS["small"]
     assert small["n_routed_experts"] >= 16 and small["vocab_size"] == 8192
-    assert small["max_position_embeddings"] == 4096 and count_mtp_parameters(preset_model_config("small")) > 0
+    assert (
+        small["max_position_embeddings"] == 4096
+        and count_mtp_parameters(preset_model_config("small")) > 0
+    )
     t_total, t_active = count_parameters(preset_model_config("tiny"))
     assert t_total < 3e6 and t_active < t_total
 
@@ -131,8 +156,12 @@ def test_counts_match_the_checkpoint(tiny_dir: Path) -> None:
     mtp = f"model.layers.{c.num_hidden_layers}."
     total = sum(t.numel() for k, t in tensors.items() if not k.startswith(mtp))
     assert count_parameters(c)[0] == total
-    assert count_mtp_parameters(c) == sum(t.numel() for k, t in tensors.items() if k.startswith(mtp))
-    expert = sum(t.numel() for k, t in tensors.items() if ".mlp.experts.0." in k and not k.startswith(mtp))
+    assert count_mtp_parameters(c) == sum(
+        t.numel() for k, t in tensors.items() if k.startswith(mtp)
+    )
+    expert = sum(
+        t.numel() for k, t in tensors.items() if ".mlp.experts.0." in k and not k.startswith(mtp)
+    )
     assert count_parameters(c)[1] == total - expert * (c.n_routed_experts - c.num_experts_per_tok)
 
 
@@ -143,7 +172,9 @@ def test_bad_arguments(tmp_path: Path) -> None:
         preset_config("tiny", "int8")
 
 
-def test_no_overwrite_and_atomic(tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_overwrite_and_atomic(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with pytest.raises(FileExistsError):
         init_model(tiny_dir, "tiny", verbose=False)
 
@@ -153,7 +184,7 @@ def test_no_overwrite_and_atomic(tiny_dir: Path, tmp_path: Path, monkeypatch: py
     monkeypatch.setattr(model_init, "_write_weights", boom)
     with pytest.raises(KeyboardInterrupt):
         init_model(tmp_path / "half", "tiny", verbose=False)
-    assert list(tmp_path.iterdir()) == []                  # neither the target nor a temp dir is left
+    assert list(tmp_path.iterdir()) == []  # neither the target nor a temp dir is left
 
 
 def test_cli_main(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -171,15 +202,22 @@ def test_cache_root_and_default_model_dir(tmp_path: Path, monkeypatch: pytest.Mo
     assert cache_root() == Path.home() / ".cache" / "pdmesh"
     calls = []
 
-    def fake_init(out: Path, preset: str, seed: int, **kwargs: object) -> Path:   # generating small is too slow
+    def fake_init(
+        out: Path, preset: str, seed: int, **kwargs: object
+    ) -> Path:  # generating small is too slow
         calls.append((preset, seed))
         out.mkdir(parents=True, exist_ok=True)
-        meta = {"version": model_init.INIT_FORMAT_VERSION, "preset": preset, "seed": seed, "dtype": "float32",
-                "config": preset_config(preset)}
+        meta = {
+            "version": model_init.INIT_FORMAT_VERSION,
+            "preset": preset,
+            "seed": seed,
+            "dtype": "float32",
+            "config": preset_config(preset),
+        }
         (out / "pdmesh_init.json").write_text(json.dumps(meta))
         return out
 
     monkeypatch.setattr(model_init, "init_model", fake_init)
     path = default_model_dir(tmp_path / "c")
     assert path == tmp_path / "c" / "models" / "small-seed0" and calls == [("small", 0)]
-    assert default_model_dir(tmp_path / "c") == path and len(calls) == 1   # cached
+    assert default_model_dir(tmp_path / "c") == path and len(calls) == 1  # cached

@@ -1,1 +1,2 @@
-"""Model definitions: `layers` (norms, rope, MLA attention) → `moe` (routing, placement, dispatch) → `deepseek_v3`."""
+"""Model definitions: `layers` (norms, rope, MLA attention) → `moe` (routing, placement, dispatch) →
+`deepseek_v3`."""

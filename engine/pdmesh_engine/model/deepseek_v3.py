@@ -1,12 +1,14 @@
 """The DeepSeek-V3 causal LM (also DeepSeek-R1, Kimi-K2, Moonlight checkpoints).
 
-`forward(batch, kv_caches, expert_load) -> hidden [T, D]`, `compute_logits(hidden[rows]) -> [S, vocab]`.
-Weights load from checkpoint names (`load_weights`); per-expert tensors go into the physical slots
-of the layer's placement. The checkpoint's multi-token-prediction layers are loaded as `mtp` (their
-weights are held and placed like the decoder's) but never run: `forward` is the plain next-token model.
+`forward(batch, kv_caches, expert_load) -> hidden [T, D]`, `compute_logits(hidden[rows]) -> [S,
+vocab]`. Weights load from checkpoint names (`load_weights`); per-expert tensors go into the
+physical slots of the layer's placement. The checkpoint's multi-token-prediction layers are loaded
+as `mtp` (their weights are held and placed like the decoder's) but never run: `forward` is the
+plain next-token model.
 
 Legend: T tokens, D hidden size, S sampled rows.
 """
+
 from __future__ import annotations
 
 import re
@@ -18,15 +20,29 @@ from torch import nn
 from pdmesh_engine.config import CheckpointError, ModelConfig
 from pdmesh_engine.forward_batch import ForwardBatch
 from pdmesh_engine.model.layers import DenseMLP, MLAttention, RMSNorm, RotaryEmbedding
-from pdmesh_engine.model.moe import ExpertDispatcher, ExpertLoadRecorder, ExpertPlacement, LocalDispatcher, MoE
+from pdmesh_engine.model.moe import (
+    ExpertDispatcher,
+    ExpertLoadRecorder,
+    ExpertPlacement,
+    LocalDispatcher,
+    MoE,
+)
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, placement: ExpertPlacement | None,
-                 dispatcher: ExpertDispatcher, local_slots: range, moe_index: int = 0) -> None:
-        """`moe_index`: the layer's index among the MoE layers (used only when this layer is MoE)."""
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        placement: ExpertPlacement | None,
+        dispatcher: ExpertDispatcher,
+        local_slots: range,
+        moe_index: int = 0,
+    ) -> None:
+        """`moe_index`: the layer's index among the MoE layers (used only when this layer is
+        MoE)."""
         super().__init__()
         self.self_attn = MLAttention(config)
         self.mlp: MoE | DenseMLP
@@ -37,8 +53,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
-                rope: RotaryEmbedding, expert_load: ExpertLoadRecorder | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: torch.Tensor,
+        rope: RotaryEmbedding,
+        expert_load: ExpertLoadRecorder | None = None,
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), batch, kv_cache, rope)
         h = self.post_attention_layernorm(x)
         return x + (self.mlp(h, expert_load) if isinstance(self.mlp, MoE) else self.mlp(h))
@@ -47,28 +69,51 @@ class DecoderLayer(nn.Module):
 class MTPLayer(nn.Module):
     """One multi-token-prediction module: predicts token t+2 from hidden(t) and embedding(t+1)."""
 
-    def __init__(self, config: ModelConfig, placement: ExpertPlacement | None, dispatcher: ExpertDispatcher,
-                 local_slots: range) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        placement: ExpertPlacement | None,
+        dispatcher: ExpertDispatcher,
+        local_slots: range,
+    ) -> None:
         super().__init__()
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
-        # its MoE follows the decoder's MoE layers (index len(moe_layer_ids)); MTP never runs, so records nothing
-        self.block = DecoderLayer(config, config.num_hidden_layers, placement, dispatcher, local_slots,
-                                  len(config.moe_layer_ids))
+        # its MoE follows the decoder's MoE layers (index len(moe_layer_ids)); MTP never runs, so
+        # records nothing
+        self.block = DecoderLayer(
+            config,
+            config.num_hidden_layers,
+            placement,
+            dispatcher,
+            local_slots,
+            len(config.moe_layer_ids),
+        )
         self.shared_head_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.shared_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def forward(self, embeds: torch.Tensor, prev_hidden: torch.Tensor, batch: ForwardBatch,
-                kv_cache: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        prev_hidden: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: torch.Tensor,
+        rope: RotaryEmbedding,
+    ) -> torch.Tensor:
         x = self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(prev_hidden)), dim=-1))
         return self.block(x, batch, kv_cache, rope)
 
 
 class DeepseekV3ForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, placements: list[ExpertPlacement] | None = None,
-                 dispatcher: ExpertDispatcher | None = None, local_slots: list[range] | None = None,
-                 load_mtp: bool = True) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        placements: list[ExpertPlacement] | None = None,
+        dispatcher: ExpertDispatcher | None = None,
+        local_slots: list[range] | None = None,
+        load_mtp: bool = True,
+    ) -> None:
         super().__init__()
         self.config = config
         moe_ids = config.moe_layer_ids
@@ -77,25 +122,37 @@ class DeepseekV3ForCausalLM(nn.Module):
         if local_slots is None:
             local_slots = [range(p.num_physical) for p in placements]
         if len(placements) != len(moe_ids):
-            raise ValueError(f"need one placement per MoE layer ({len(moe_ids)}), got {len(placements)}")
+            raise ValueError(
+                f"need one placement per MoE layer ({len(moe_ids)}), got {len(placements)}"
+            )
         dispatcher = dispatcher or LocalDispatcher()
-        by_layer = dict(zip(moe_ids, zip(placements, local_slots)))
-        # An explicit weight skips nn.Embedding's random init (which on the meta device imports torch._dynamo).
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
-                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(self._make_layer(config, i, by_layer, dispatcher)
-                                    for i in range(config.num_hidden_layers))
+        by_layer = dict(zip(moe_ids, zip(placements, local_slots, strict=True), strict=True))
+        # An explicit weight skips nn.Embedding's random init (which on the meta device imports
+        # torch._dynamo).
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size),
+        )
+        self.layers = nn.ModuleList(
+            self._make_layer(config, i, by_layer, dispatcher)
+            for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = RotaryEmbedding(config)
         self.mtp = nn.ModuleList()
         if load_mtp and config.num_nextn_predict_layers and moe_ids:
             placement, slots = by_layer[moe_ids[-1]]
-            self.mtp = nn.ModuleList(MTPLayer(config, placement, dispatcher, slots)
-                                     for _ in range(config.num_nextn_predict_layers))
+            self.mtp = nn.ModuleList(
+                MTPLayer(config, placement, dispatcher, slots)
+                for _ in range(config.num_nextn_predict_layers)
+            )
 
     @staticmethod
-    def _make_layer(config: ModelConfig, i: int, by_layer: dict, dispatcher: ExpertDispatcher) -> DecoderLayer:
+    def _make_layer(
+        config: ModelConfig, i: int, by_layer: dict, dispatcher: ExpertDispatcher
+    ) -> DecoderLayer:
         placement, slots = by_layer.get(i, (None, range(0)))
         moe_index = config.moe_layer_ids.index(i) if i in by_layer else 0
         return DecoderLayer(config, i, placement, dispatcher, slots, moe_index)
@@ -104,13 +161,19 @@ class DeepseekV3ForCausalLM(nn.Module):
     def moe_layers(self) -> list[MoE]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
 
-    def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor,
-                expert_load: ExpertLoadRecorder | None = None) -> torch.Tensor:
-        """kv_caches [num_layers, num_blocks, block_size, L + R] -> hidden states [T, D] (final norm applied).
+    def forward(
+        self,
+        batch: ForwardBatch,
+        kv_caches: torch.Tensor,
+        expert_load: ExpertLoadRecorder | None = None,
+    ) -> torch.Tensor:
+        """kv_caches [num_layers, num_blocks, block_size, L + R] -> hidden states [T, D] (final norm
+        applied).
 
-        `expert_load`: where each MoE layer records the tokens routed to its slots (None: not recorded)."""
+        `expert_load`: where each MoE layer records the tokens routed to its slots (None: not
+        recorded)."""
         x = self.embed_tokens(batch.input_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, batch, kv_cache, self.rope, expert_load)
         return self.norm(x)
 
@@ -119,7 +182,8 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     # ----- weights -----
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load checkpoint tensors by name; raises CheckpointError on unknown names, bad shapes or gaps."""
+        """Load checkpoint tensors by name; raises CheckpointError on unknown names, bad shapes or
+        gaps."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         num_layers = self.config.num_hidden_layers
@@ -133,14 +197,18 @@ class DeepseekV3ForCausalLM(nn.Module):
                 loaded.add(target)
                 continue
             if target not in params:
-                raise CheckpointError(f"checkpoint tensor {name!r} does not belong to DeepseekV3ForCausalLM")
+                raise CheckpointError(
+                    f"checkpoint tensor {name!r} does not belong to DeepseekV3ForCausalLM"
+                )
             param = params[target]
             if tuple(param.shape) != tuple(tensor.shape):
-                raise CheckpointError(f"{name}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
+                raise CheckpointError(
+                    f"{name}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}"
+                )
             param.data.copy_(tensor)
             loaded.add(target)
         if len(self.mtp) and not any(n.startswith("mtp.") for n in loaded):
-            self.mtp = nn.ModuleList()       # the checkpoint has no MTP weights: hold none
+            self.mtp = nn.ModuleList()  # the checkpoint has no MTP weights: hold none
             params = dict(self.named_parameters())
         missing = [n for n in params if n not in loaded and not self._is_expert_param(n)]
         num_experts = sum(1 for n in loaded if _EXPERT.search(n))
@@ -148,7 +216,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         if num_experts != expected:
             missing.append(f"{expected - num_experts} expert tensors")
         if missing:
-            raise CheckpointError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+            raise CheckpointError(
+                f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}"
+            )
         for layer in list(self.layers) + [m.block for m in self.mtp]:
             layer.self_attn.process_weights()
 
@@ -167,9 +237,17 @@ class DeepseekV3ForCausalLM(nn.Module):
         if mtp_index >= len(self.mtp):
             return None
         if rest in ("embed_tokens.weight",):
-            return None      # DeepSeek stores a copy of the shared embedding here
-        rest = rest.replace("shared_head.norm", "shared_head_norm").replace("shared_head.head", "shared_head")
-        if not rest.split(".")[0] in ("enorm", "hnorm", "eh_proj", "shared_head_norm", "shared_head"):
+            return None  # DeepSeek stores a copy of the shared embedding here
+        rest = rest.replace("shared_head.norm", "shared_head_norm").replace(
+            "shared_head.head", "shared_head"
+        )
+        if rest.split(".")[0] not in (
+            "enorm",
+            "hnorm",
+            "eh_proj",
+            "shared_head_norm",
+            "shared_head",
+        ):
             rest = "block." + rest
         return f"mtp.{mtp_index}.{rest}"
 

@@ -8,6 +8,7 @@ projected into latent space), which never expands the cache.
 Legend: T tokens, H heads, L kv_lora_rank, R qk_rope_head_dim, N qk_nope_head_dim, V v_head_dim,
 D hidden size, S context length of one sequence.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,7 +30,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        if dtype == torch.float32 == self.weight.dtype:   # one fused op, the same fp32 arithmetic
+        if dtype == torch.float32 == self.weight.dtype:  # one fused op, the same fp32 arithmetic
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -52,7 +53,9 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
     attention_factor = p.get("attention_factor")
     if attention_factor is None:
         if p.get("mscale") and p.get("mscale_all_dim"):
-            attention_factor = _yarn_mscale(factor, p["mscale"]) / _yarn_mscale(factor, p["mscale_all_dim"])
+            attention_factor = _yarn_mscale(factor, p["mscale"]) / _yarn_mscale(
+                factor, p["mscale_all_dim"]
+            )
         else:
             attention_factor = _yarn_mscale(factor)
     beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
@@ -68,15 +71,20 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
         high += 0.001
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     extrapolation = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
     return inv_freq, float(attention_factor)
 
 
 def attention_scale(config: ModelConfig) -> float:
-    scale = config.qk_head_dim ** -0.5
+    scale = config.qk_head_dim**-0.5
     p = config.rope_scaling or {}
     if config.rope_type != "default" and p.get("mscale_all_dim"):
-        factor = p.get("factor") or config.max_position_embeddings / p["original_max_position_embeddings"]
+        factor = (
+            p.get("factor")
+            or config.max_position_embeddings / p["original_max_position_embeddings"]
+        )
         scale *= _yarn_mscale(factor, p["mscale_all_dim"]) ** 2
     return scale
 
@@ -97,31 +105,33 @@ class RotaryEmbedding(nn.Module):
         self.materialize(config)
 
     def materialize(self, config: ModelConfig) -> None:
-        """(Re)compute the tables [P, 1, R] in fp32 on the buffers' device: cos holds each pair's cos
-        twice (cos, cos), sin holds (-sin, sin), so one multiply-add rotates the whole head."""
+        """(Re)compute the tables [P, 1, R] in fp32 on the buffers' device: cos holds each pair's
+        cos twice (cos, cos), sin holds (-sin, sin), so one multiply-add rotates the whole head."""
         device = self.cos.device if self.cos.device.type != "meta" else torch.device("cpu")
         with torch.device("cpu"):
             inv_freq, scaling = rope_inv_freq(config)
             positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
             freqs = positions[:, None] * inv_freq[None, :]
-            cos, sin = freqs.cos() * scaling, freqs.sin() * scaling                # [P, R/2]
+            cos, sin = freqs.cos() * scaling, freqs.sin() * scaling  # [P, R/2]
         self.cos = torch.cat((cos, cos), dim=-1)[:, None].to(device)
         self.sin = torch.cat((-sin, sin), dim=-1)[:, None].to(device)
 
-    def forward(self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """q_pe [T, H, R], k_pe [T, R] -> rotated (q_pe, k_pe), both in one pass.
 
-        (x1, x2) * (cos, cos) + (x2, x1) * (-sin, sin) = (x1 cos - x2 sin, x2 cos + x1 sin), bit for bit.
+        (x1, x2) * (cos, cos) + (x2, x1) * (-sin, sin) = (x1 cos - x2 sin, x2 cos + x1 sin), bit for
+        bit.
         """
-        x = torch.cat((q_pe, k_pe[:, None]), dim=1)                                  # [T, H + 1, R]
+        x = torch.cat((q_pe, k_pe[:, None]), dim=1)  # [T, H + 1, R]
         if self.interleave:
             x1, x2 = x[..., 0::2], x[..., 1::2]
             y = torch.cat((x1, x2), dim=-1)
         else:
             x1, x2 = x.chunk(2, dim=-1)
             y = x
-        cos = self.cos[positions].to(x.dtype)                                        # [T, 1, R]
+        cos = self.cos[positions].to(x.dtype)  # [T, 1, R]
         sin = self.sin[positions].to(x.dtype)
         out = y * cos + torch.cat((x2, x1), dim=-1) * sin
         return out[:, :-1], out[:, -1]
@@ -145,7 +155,11 @@ class MLAttention(nn.Module):
         super().__init__()
         c = config
         self.num_heads, self.kv_lora_rank = c.num_attention_heads, c.kv_lora_rank
-        self.nope_dim, self.rope_dim, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        self.nope_dim, self.rope_dim, self.v_dim = (
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.v_head_dim,
+        )
         self.scale = attention_scale(c)
         qk_out = c.num_attention_heads * c.qk_head_dim
         if c.q_lora_rank is None:
@@ -156,32 +170,45 @@ class MLAttention(nn.Module):
             self.q_b_proj = nn.Linear(c.q_lora_rank, qk_out, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_cache_dim, bias=c.attention_bias)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, 1e-6)
-        self.kv_b_proj = nn.Linear(c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim),
-                                   bias=False)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=c.attention_bias)
+        self.kv_b_proj = nn.Linear(
+            c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False
+        )
+        self.o_proj = nn.Linear(
+            c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=c.attention_bias
+        )
         self.has_q_lora = c.q_lora_rank is not None
-        self.w_uk: torch.Tensor | None = None   # [H, N, L], set by process_weights()
-        self.w_uv: torch.Tensor | None = None   # [H, V, L]
+        self.w_uk: torch.Tensor | None = None  # [H, N, L], set by process_weights()
+        self.w_uv: torch.Tensor | None = None  # [H, V, L]
 
     def process_weights(self) -> None:
-        """Split kv_b_proj into the key and value up-projections used by the absorbed decode path."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        self.w_uk = w[:, :self.nope_dim].contiguous()
-        self.w_uv = w[:, self.nope_dim:].contiguous()
+        """Split kv_b_proj into the key and value up-projections used by the absorbed decode
+        path."""
+        w = self.kv_b_proj.weight.view(
+            self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank
+        )
+        self.w_uk = w[:, : self.nope_dim].contiguous()
+        self.w_uv = w[:, self.nope_dim :].contiguous()
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
-                rope: RotaryEmbedding) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, rope: RotaryEmbedding
+    ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.has_q_lora else self.q_proj(x)
+        q = (
+            self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            if self.has_q_lora
+            else self.q_proj(x)
+        )
         q = q.view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         q_pe, k_pe = rope(batch.positions, q_pe, k_pe)
         flat_cache = kv_cache.view(-1, kv_cache.shape[-1])
-        flat_cache[batch.slot_mapping] = torch.cat((self.kv_a_layernorm(latent), k_pe), dim=-1).to(kv_cache.dtype)
+        flat_cache[batch.slot_mapping] = torch.cat((self.kv_a_layernorm(latent), k_pe), dim=-1).to(
+            kv_cache.dtype
+        )
 
         nd = batch.num_decodes
-        if nd == num_tokens:                  # decodes only: no output buffer to fill
+        if nd == num_tokens:  # decodes only: no output buffer to fill
             return self.o_proj(self._decode(q_nope, q_pe, kv_cache, batch).reshape(num_tokens, -1))
         out = x.new_empty(num_tokens, self.num_heads, self.v_dim)
         if nd:
@@ -191,36 +218,53 @@ class MLAttention(nn.Module):
             out[start:end] = self._prefill(q_nope[start:end], q_pe[start:end], kv_cache, batch, b)
         return self.o_proj(out.view(num_tokens, -1))
 
-    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
+    def _decode(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
         nd = q_nope.shape[0]
-        q_latent = torch.einsum("thn,hnl->thl", q_nope, self.w_uk)                      # [T, H, L]
-        out_latent = mla_decode_attention(q_latent, q_pe.contiguous(), kv_cache,
-                                          batch.block_tables[:nd], batch.seq_lens[:nd], self.scale)
-        return torch.einsum("thl,hvl->thv", out_latent, self.w_uv)                      # [T, H, V]
+        q_latent = torch.einsum("thn,hnl->thl", q_nope, self.w_uk)  # [T, H, L]
+        out_latent = mla_decode_attention(
+            q_latent,
+            q_pe.contiguous(),
+            kv_cache,
+            batch.block_tables[:nd],
+            batch.seq_lens[:nd],
+            self.scale,
+        )
+        return torch.einsum("thl,hvl->thv", out_latent, self.w_uv)  # [T, H, V]
 
-    def _prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
-                 batch: ForwardBatch, b: int) -> torch.Tensor:
+    def _prefill(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        batch: ForwardBatch,
+        b: int,
+    ) -> torch.Tensor:
         seq_len = batch.seq_len_list[b]
         block_size = kv_cache.shape[1]
         num_blocks = -(-seq_len // block_size)
-        ctx = kv_cache[batch.block_tables[b, :num_blocks].long()].view(-1, kv_cache.shape[-1])[:seq_len]
+        ctx = kv_cache[batch.block_tables[b, :num_blocks].long()].view(-1, kv_cache.shape[-1])[
+            :seq_len
+        ]
         ctx = ctx.to(q_nope.dtype)
-        kv = self.kv_b_proj(ctx[:, :self.kv_lora_rank]).view(seq_len, self.num_heads, -1)
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)                    # [S, H, N], [S, H, V]
-        k_pe = ctx[:, None, self.kv_lora_rank:].expand(-1, self.num_heads, -1)
-        q = torch.cat((q_nope, q_pe), dim=-1).transpose(0, 1)[None]                 # [1, H, Q, N+R]
-        k = torch.cat((k_nope, k_pe), dim=-1).transpose(0, 1)[None]                 # [1, H, S, N+R]
-        v = v.transpose(0, 1)[None]                                                  # [1, H, S, V]
+        kv = self.kv_b_proj(ctx[:, : self.kv_lora_rank]).view(seq_len, self.num_heads, -1)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [S, H, N], [S, H, V]
+        k_pe = ctx[:, None, self.kv_lora_rank :].expand(-1, self.num_heads, -1)
+        q = torch.cat((q_nope, q_pe), dim=-1).transpose(0, 1)[None]  # [1, H, Q, N+R]
+        k = torch.cat((k_nope, k_pe), dim=-1).transpose(0, 1)[None]  # [1, H, S, N+R]
+        v = v.transpose(0, 1)[None]  # [1, H, S, V]
         # SDPA's fused (flash) kernels need 4-d inputs and one head dim for q, k and v: zero-pad the
         # narrower side (zeros change neither the scores, the scale being explicit, nor the values).
         width = max(self.nope_dim + self.rope_dim, self.v_dim)
         q, k = (F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t for t in (q, k))
         v = F.pad(v, (0, width - self.v_dim)) if self.v_dim < width else v
         num_queries = q.shape[2]
-        if num_queries == seq_len:               # the whole sequence: plain causal attention
+        if num_queries == seq_len:  # the whole sequence: plain causal attention
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        else:                                    # query i sits at position seq_len - num_queries + i
-            mask = torch.ones(num_queries, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - num_queries)
+        else:  # query i sits at position seq_len - num_queries + i
+            mask = torch.ones(num_queries, seq_len, dtype=torch.bool, device=q.device).tril(
+                seq_len - num_queries
+            )
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-        return out[0, :, :, :self.v_dim].transpose(0, 1)                            # [Q, H, V]
+        return out[0, :, :, : self.v_dim].transpose(0, 1)  # [Q, H, V]

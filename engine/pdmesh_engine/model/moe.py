@@ -5,8 +5,10 @@ Logical experts (what the router picks) map to physical slots (where weights liv
 The placement is data: an `ExpertDispatcher` sends each (token, expert) pair to the slot chosen for
 it and combines the weighted results, so expert parallelism and EPLB change data, not code.
 
-Legend: T tokens, D hidden, K experts per token, E logical experts, P physical slots, I expert width.
+Legend: T tokens, D hidden, K experts per token, E logical experts, P physical slots, I expert
+width.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -30,12 +32,12 @@ class ExpertPlacement:
     `replicas[e, :replica_counts[e]]`, in slot order.
     """
 
-    physical_to_logical: torch.Tensor   # [P] int64
-    replicas: torch.Tensor              # [E, max_replicas] int64 (rows padded by repeating the first slot)
-    replica_counts: torch.Tensor        # [E] int64, >= 1
+    physical_to_logical: torch.Tensor  # [P] int64
+    replicas: torch.Tensor  # [E, max_replicas] int64 (rows padded by repeating the first slot)
+    replica_counts: torch.Tensor  # [E] int64, >= 1
 
     @classmethod
-    def from_slots(cls, physical_to_logical: list[int], num_logical: int) -> "ExpertPlacement":
+    def from_slots(cls, physical_to_logical: list[int], num_logical: int) -> ExpertPlacement:
         slots_of: list[list[int]] = [[] for _ in range(num_logical)]
         for slot, expert in enumerate(physical_to_logical):
             if not 0 <= expert < num_logical:
@@ -46,18 +48,28 @@ class ExpertPlacement:
             raise ValueError(f"experts {missing[:8]} have no slot")
         width = max(len(s) for s in slots_of)
         cpu = torch.device("cpu")
-        replicas = torch.tensor([s + [s[0]] * (width - len(s)) for s in slots_of], dtype=torch.int64, device=cpu)
-        return cls(torch.tensor(physical_to_logical, dtype=torch.int64, device=cpu), replicas,
-                   torch.tensor([len(s) for s in slots_of], dtype=torch.int64, device=cpu))
+        replicas = torch.tensor(
+            [s + [s[0]] * (width - len(s)) for s in slots_of], dtype=torch.int64, device=cpu
+        )
+        return cls(
+            torch.tensor(physical_to_logical, dtype=torch.int64, device=cpu),
+            replicas,
+            torch.tensor([len(s) for s in slots_of], dtype=torch.int64, device=cpu),
+        )
 
-    def to(self, device: torch.device) -> "ExpertPlacement":
-        return ExpertPlacement(self.physical_to_logical.to(device), self.replicas.to(device),
-                               self.replica_counts.to(device))
+    def to(self, device: torch.device) -> ExpertPlacement:
+        return ExpertPlacement(
+            self.physical_to_logical.to(device),
+            self.replicas.to(device),
+            self.replica_counts.to(device),
+        )
 
     @classmethod
-    def initial(cls, num_logical: int, num_redundant: int = 0) -> "ExpertPlacement":
+    def initial(cls, num_logical: int, num_redundant: int = 0) -> ExpertPlacement:
         """Static layout: slot i holds expert i; redundant slots repeat experts 0, 1, 2, ..."""
-        return cls.from_slots([i % num_logical for i in range(num_logical + num_redundant)], num_logical)
+        return cls.from_slots(
+            [i % num_logical for i in range(num_logical + num_redundant)], num_logical
+        )
 
     @property
     def num_physical(self) -> int:
@@ -66,10 +78,13 @@ class ExpertPlacement:
     @cached_property
     def is_identity(self) -> bool:
         """Slot i holds expert i and nothing is replicated: slots are the logical ids."""
-        return bool(torch.equal(self.physical_to_logical.cpu(), torch.arange(self.replicas.shape[0])))
+        return bool(
+            torch.equal(self.physical_to_logical.cpu(), torch.arange(self.replicas.shape[0]))
+        )
 
     def choose_slots(self, expert_ids: torch.Tensor) -> torch.Tensor:
-        """Map logical ids [T, K] to slots [T, K]; the replica is chosen by token index (deterministic)."""
+        """Map logical ids [T, K] to slots [T, K]; the replica is chosen by token index
+        (deterministic)."""
         if self.is_identity:
             return expert_ids
         token_index = torch.arange(expert_ids.shape[0], device=expert_ids.device)[:, None]
@@ -84,18 +99,24 @@ class Router(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(config.n_routed_experts))
-        self.top_k, self.n_group, self.topk_group = config.num_experts_per_tok, config.n_group, config.topk_group
+        self.top_k, self.n_group, self.topk_group = (
+            config.num_experts_per_tok,
+            config.n_group,
+            config.topk_group,
+        )
         self.norm_topk_prob, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (weights [T, K] fp32, logical expert ids [T, K] int64)."""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()                     # [T, E]
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
         choice = scores + self.e_score_correction_bias.float()
         grouped = choice.view(x.shape[0], self.n_group, -1)
-        group_scores = grouped.topk(2, dim=-1)[0].sum(-1)                                # [T, G]
+        group_scores = grouped.topk(2, dim=-1)[0].sum(-1)  # [T, G]
         group_ids = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
         group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_ids, True)
-        choice = choice.masked_fill(~group_mask[:, :, None].expand_as(grouped).reshape_as(choice), float("-inf"))
+        choice = choice.masked_fill(
+            ~group_mask[:, :, None].expand_as(grouped).reshape_as(choice), float("-inf")
+        )
         expert_ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, expert_ids)
         if self.norm_topk_prob:
@@ -107,35 +128,56 @@ class ExpertDispatcher(ABC):
     """Runs the routed experts for a batch: send tokens to their slots, compute, combine."""
 
     @abstractmethod
-    def __call__(self, x: torch.Tensor, weights: torch.Tensor, slot_ids: torch.Tensor,
-                 w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        slot_ids: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+    ) -> torch.Tensor:
         """x [T, D], weights [T, K], slot_ids [T, K] (global slots) -> [T, D] weighted sum."""
 
 
 class LocalDispatcher(ExpertDispatcher):
     """All slots live in this process (DEP 1)."""
 
-    def __call__(self, x: torch.Tensor, weights: torch.Tensor, slot_ids: torch.Tensor,
-                 w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        slot_ids: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+    ) -> torch.Tensor:
         return fused_moe(x, w13, w2, weights, slot_ids)
 
 
 class ExpertLoadRecorder:
     """Tokens routed to each physical slot, per MoE layer, for the last `window` steps (a ring).
 
-    `restart()` (at a placement switch) empties the ring: counts recorded under one placement are never
-    summed with counts under another (slot ids mean different experts). `step` keeps counting globally
-    (DEP ranks restart at the same step, so their rings stay aligned); `restart_step` is its value then.
+    `restart()` (at a placement switch) empties the ring: counts recorded under one placement are
+    never summed with counts under another (slot ids mean different experts). `step` keeps counting
+    globally (DEP ranks restart at the same step, so their rings stay aligned); `restart_step` is
+    its value then.
     """
 
-    def __init__(self, num_layers: int, num_physical: int, window: int = 1000,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_physical: int,
+        window: int = 1000,
+        device: torch.device | str = "cpu",
+    ) -> None:
         if window < 1:
             raise ValueError(f"expert load window must be >= 1, got {window}")
-        # Kept on the model's device: recording is a scatter-add there, with no host sync in the step.
-        self.counts = torch.zeros(window, num_layers, num_physical, dtype=torch.int64, device=device)
-        self.step = 0              # steps recorded so far; the current row is step % window
-        self.restart_step = 0      # `step` at the last restart
+        # Kept on the model's device: recording is a scatter-add there, with no host sync in the
+        # step.
+        self.counts = torch.zeros(
+            window, num_layers, num_physical, dtype=torch.int64, device=device
+        )
+        self.step = 0  # steps recorded so far; the current row is step % window
+        self.restart_step = 0  # `step` at the last restart
         self._current = torch.zeros(num_layers, num_physical, dtype=torch.int64, device=device)
 
     def record(self, layer: int, slot_ids: torch.Tensor) -> None:
@@ -166,30 +208,45 @@ class ExpertLoadRecorder:
         return self.counts.sum(0)
 
 
-EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")   # one expert's checkpoint tensors
+EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")  # one expert's checkpoint tensors
 
 
 class MoE(nn.Module):
     """Routed experts (on this process's slots) plus always-on shared experts.
 
-    `moe_index`: this layer's index among the model's MoE layers (its row in an `ExpertLoadRecorder`).
+    `moe_index`: this layer's index among the model's MoE layers (its row in an
+    `ExpertLoadRecorder`).
     """
 
-    def __init__(self, config: ModelConfig, placement: ExpertPlacement, dispatcher: ExpertDispatcher,
-                 local_slots: range, moe_index: int) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        placement: ExpertPlacement,
+        dispatcher: ExpertDispatcher,
+        local_slots: range,
+        moe_index: int,
+    ) -> None:
         super().__init__()
         width = config.moe_intermediate_size
         self.gate = Router(config)
-        self.shared_experts = DenseMLP(config.hidden_size, width * config.n_shared_experts) \
-            if config.n_shared_experts else None
-        self.w13 = nn.Parameter(torch.zeros(len(local_slots), 2 * width, config.hidden_size))  # [P_local, 2I, D]
-        self.w2 = nn.Parameter(torch.zeros(len(local_slots), config.hidden_size, width))       # [P_local, D, I]
+        self.shared_experts = (
+            DenseMLP(config.hidden_size, width * config.n_shared_experts)
+            if config.n_shared_experts
+            else None
+        )
+        # [P_local, 2I, D]
+        self.w13 = nn.Parameter(torch.zeros(len(local_slots), 2 * width, config.hidden_size))
+        # [P_local, D, I]
+        self.w2 = nn.Parameter(torch.zeros(len(local_slots), config.hidden_size, width))
         self.dispatcher, self.local_slots, self.moe_index = dispatcher, local_slots, moe_index
         self.placement = placement
         self._slot_experts: list[int] = placement.physical_to_logical.tolist()
 
-    def forward(self, x: torch.Tensor, expert_load: ExpertLoadRecorder | None = None) -> torch.Tensor:
-        """x [T, D] -> [T, D]; with `expert_load`, the tokens routed to each slot are recorded there."""
+    def forward(
+        self, x: torch.Tensor, expert_load: ExpertLoadRecorder | None = None
+    ) -> torch.Tensor:
+        """x [T, D] -> [T, D]; with `expert_load`, the tokens routed to each slot are recorded
+        there."""
         weights, expert_ids = self.gate(x)
         slot_ids = self.placement.choose_slots(expert_ids)
         if expert_load is not None:
@@ -200,12 +257,14 @@ class MoE(nn.Module):
         return out
 
     def set_placement(self, placement: ExpertPlacement) -> None:
-        """Adopt a new logical→physical map (at a step boundary; moved weights are copied separately)."""
+        """Adopt a new logical→physical map (at a step boundary; moved weights are copied
+        separately)."""
         self.placement = placement.to(self.w13.device)
         self._slot_experts = placement.physical_to_logical.tolist()
 
     def load_expert(self, logical: int, part: str, tensor: torch.Tensor) -> None:
-        """Copy one checkpoint tensor (gate_proj / up_proj / down_proj of `logical`) into its local slots."""
+        """Copy one checkpoint tensor (gate_proj / up_proj / down_proj of `logical`) into its local
+        slots."""
         for slot in self.local_slots:
             if self._slot_experts[slot] == logical:
                 self.write_slot(slot - self.local_slots.start, part, tensor)
@@ -221,9 +280,12 @@ class MoE(nn.Module):
 
 
 @torch.no_grad()
-def write_expert_part(w13: torch.Tensor, w2: torch.Tensor, index: int, part: str, tensor: torch.Tensor) -> None:
+def write_expert_part(
+    w13: torch.Tensor, w2: torch.Tensor, index: int, part: str, tensor: torch.Tensor
+) -> None:
     """The one place that knows the slot layout: w13[index] = [gate_proj; up_proj] ([2I, D]),
-    w2[index] = down_proj ([D, I]). `w13`/`w2` are a layer's weights or staging buffers of the same layout."""
+    w2[index] = down_proj ([D, I]). `w13`/`w2` are a layer's weights or staging buffers of the same
+    layout."""
     width = w2.shape[2]
     if part == "gate_proj":
         w13[index, :width].copy_(tensor)

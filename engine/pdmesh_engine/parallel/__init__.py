@@ -1,13 +1,35 @@
-"""Parallelism of a DEP instance (data-parallel attention + expert parallelism) across rank processes.
+"""Parallelism of a DEP instance (data-parallel attention + expert parallelism) across rank
+processes.
 
 `allreduce`: the per-step DP sync (`DPSync`, `make_dp_sync`) and a recursive-doubling all-reduce on
-torch.distributed point-to-point, whose pure schedule (`recursive_doubling_schedule`) is testable alone.
+torch.distributed point-to-point, whose pure schedule (`recursive_doubling_schedule`) is testable
+alone.
 """
+
 from __future__ import annotations
 
-from pdmesh_engine.parallel.allreduce import (DP_SYNC_IMPLS, OPS, DPSync, GlooAllReduce, RecursiveDoublingAllReduce,
-                                              Step, make_dp_sync, num_rounds, recursive_doubling_all_reduce,
-                                              recursive_doubling_schedule)
+from pdmesh_engine.parallel.allreduce import (
+    DP_SYNC_IMPLS,
+    OPS,
+    DPSync,
+    GlooAllReduce,
+    RecursiveDoublingAllReduce,
+    Step,
+    make_dp_sync,
+    num_rounds,
+    recursive_doubling_all_reduce,
+    recursive_doubling_schedule,
+)
 
-__all__ = ["DP_SYNC_IMPLS", "OPS", "DPSync", "GlooAllReduce", "RecursiveDoublingAllReduce", "Step", "make_dp_sync",
-           "num_rounds", "recursive_doubling_all_reduce", "recursive_doubling_schedule"]
+__all__ = [
+    "DP_SYNC_IMPLS",
+    "OPS",
+    "DPSync",
+    "GlooAllReduce",
+    "RecursiveDoublingAllReduce",
+    "Step",
+    "make_dp_sync",
+    "num_rounds",
+    "recursive_doubling_all_reduce",
+    "recursive_doubling_schedule",
+]

@@ -1,15 +1,17 @@
 """Recursive-doubling all-reduce over torch.distributed point-to-point, and the per-step DP sync.
 
-A DEP instance's ranks run, every step, a tiny all-reduce of integers (`[has_work, num_tokens, ...]`,
-int64, at most 8 elements) so that they all run the same number of forward passes. gloo's
+A DEP instance's ranks run, every step, a tiny all-reduce of integers (`[has_work, num_tokens,
+...]`, int64, at most 8 elements) so that they all run the same number of forward passes. gloo's
 `all_reduce` is a ring whose latency grows linearly with the ranks; recursive doubling needs about
 log2(p) message rounds.
 
-Schedule (`recursive_doubling_schedule`, pure): p ranks, q = the largest power of two <= p, r = p - q.
+Schedule (`recursive_doubling_schedule`, pure): p ranks, q = the largest power of two <= p, r = p -
+q.
   - fold (only when r > 0): rank q + i sends its data to rank i (i < r), which combines it; ranks
     q..p-1 then sit out;
   - log2(q) exchange rounds among ranks 0..q-1: in round k, rank j and j XOR 2^k swap their partial
-    results and both combine (after round k every rank holds the reduction of its aligned 2^(k+1) block);
+    results and both combine (after round k every rank holds the reduction of its aligned 2^(k+1)
+    block);
   - unfold (only when r > 0): rank i sends the result back to rank q + i, which takes it as is.
 Every rank's schedule lists every round (an idle step where it has nothing to do), so its length is
 `num_rounds(p)` = log2(p) for a power of two, floor(log2(p)) + 2 otherwise, and 0 for p = 1.
@@ -25,12 +27,14 @@ Contracts of `recursive_doubling_all_reduce(tensor, group, op)`:
 
 `DPSync` is what the engine calls every step: `make_dp_sync("gloo" | "recursive_doubling", group)`.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -46,6 +50,7 @@ class Step:
     recv and combine: the received data is reduced into the local data; recv and not combine: it
     replaces the local data (the unfold). In an exchange both send and recv are set.
     """
+
     round: int
     phase: Phase
     peer: int | None
@@ -74,7 +79,7 @@ def _schedule(rank: int, world: int) -> tuple[Step, ...]:
     r = world - q
     idle = lambda n, phase: Step(n, phase, None, False, False, False)  # noqa: E731
     steps: list[Step] = []
-    if r:                                   # fold: q + i -> i for i < r
+    if r:  # fold: q + i -> i for i < r
         if rank >= q:
             steps.append(Step(0, "fold", rank - q, True, False, False))
         elif rank < r:
@@ -82,12 +87,12 @@ def _schedule(rank: int, world: int) -> tuple[Step, ...]:
         else:
             steps.append(idle(0, "fold"))
     first = len(steps)
-    for k in range(q.bit_length() - 1):     # exchanges among 0..q-1
+    for k in range(q.bit_length() - 1):  # exchanges among 0..q-1
         if rank < q:
             steps.append(Step(first + k, "exchange", rank ^ (1 << k), True, True, True))
         else:
             steps.append(idle(first + k, "exchange"))
-    if r:                                   # unfold: i -> q + i for i < r
+    if r:  # unfold: i -> q + i for i < r
         n = len(steps)
         if rank >= q:
             steps.append(Step(n, "unfold", rank - q, False, True, False))
@@ -114,7 +119,8 @@ def _combiner(op: str) -> Callable[[torch.Tensor, torch.Tensor], None]:
 
 
 def _global_steps(group: dist.ProcessGroup | None) -> list[tuple[Step, int]]:
-    """This rank's active steps in `group`, each with its peer as a global rank (what send/recv take)."""
+    """This rank's active steps in `group`, each with its peer as a global rank (what send/recv
+    take)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if rank < 0:
         raise ValueError("this process is not a member of the group")
@@ -123,16 +129,23 @@ def _global_steps(group: dist.ProcessGroup | None) -> list[tuple[Step, int]]:
     return [(s, to_global(s.peer)) for s in steps]
 
 
-def _run_steps(work: torch.Tensor, buf: torch.Tensor, steps: list[tuple[Step, int]],
-               group: dist.ProcessGroup | None, combine: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+def _run_steps(
+    work: torch.Tensor,
+    buf: torch.Tensor,
+    steps: list[tuple[Step, int]],
+    group: dist.ProcessGroup | None,
+    combine: Callable[[torch.Tensor, torch.Tensor], None],
+) -> None:
     """Execute the active steps in order. `work` is contiguous; `buf` has its shape and dtype."""
     for step, peer in steps:
         if step.send and step.recv:
             # Both posted before either wait: the peer does the same, so neither blocks the other.
-            requests = [dist.isend(work, peer, group=group, tag=step.round),
-                        dist.irecv(buf, peer, group=group, tag=step.round)]
+            requests = [
+                dist.isend(work, peer, group=group, tag=step.round),
+                dist.irecv(buf, peer, group=group, tag=step.round),
+            ]
             for request in requests:
-                request.wait()              # the send too: `work` must not change while it is read
+                request.wait()  # the send too: `work` must not change while it is read
         elif step.send:
             dist.send(work, peer, group=group, tag=step.round)
         else:
@@ -144,9 +157,11 @@ def _run_steps(work: torch.Tensor, buf: torch.Tensor, steps: list[tuple[Step, in
                 work.copy_(buf)
 
 
-def recursive_doubling_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
-                                  op: str = "sum") -> int:
-    """Reduce `tensor` in place across `group` (default: the world); returns the schedule's rounds."""
+def recursive_doubling_all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None = None, op: str = "sum"
+) -> int:
+    """Reduce `tensor` in place across `group` (default: the world); returns the schedule's
+    rounds."""
     combine = _combiner(op)
     steps = _global_steps(group)
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
@@ -158,10 +173,11 @@ def recursive_doubling_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup
 
 
 class DPSync(ABC):
-    """Per-step DP sync of an instance: every rank calls `all_reduce` with the same shape and dtype."""
+    """Per-step DP sync of an instance: every rank calls `all_reduce` with the same shape and
+    dtype."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, op: str = "sum") -> None:
-        _combiner(op)                       # validates op
+        _combiner(op)  # validates op
         self.group, self.op = group, op
 
     @abstractmethod
@@ -179,7 +195,8 @@ class GlooAllReduce(DPSync):
 
 
 class RecursiveDoublingAllReduce(DPSync):
-    """`recursive_doubling_all_reduce` with the peers resolved once and the receive buffer reused."""
+    """`recursive_doubling_all_reduce` with the peers resolved once and the receive buffer
+    reused."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, op: str = "sum") -> None:
         super().__init__(group, op)
@@ -193,18 +210,27 @@ class RecursiveDoublingAllReduce(DPSync):
             return
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
         buf = self._buf
-        if buf is None or buf.shape != work.shape or buf.dtype != work.dtype or buf.device != work.device:
+        if (
+            buf is None
+            or buf.shape != work.shape
+            or buf.dtype != work.dtype
+            or buf.device != work.device
+        ):
             buf = self._buf = torch.empty_like(work)
         _run_steps(work, buf, self._steps, self.group, self._combine)
         if work is not tensor:
             tensor.copy_(work)
 
 
-DP_SYNC_IMPLS: dict[str, type[DPSync]] = {"gloo": GlooAllReduce, "recursive_doubling": RecursiveDoublingAllReduce}
+DP_SYNC_IMPLS: dict[str, type[DPSync]] = {
+    "gloo": GlooAllReduce,
+    "recursive_doubling": RecursiveDoublingAllReduce,
+}
 
 
 def make_dp_sync(name: str, group: dist.ProcessGroup | None = None, op: str = "sum") -> DPSync:
-    """The DP sync called `name` ("gloo" or "recursive_doubling") on `group` (default: the world)."""
+    """The DP sync called `name` ("gloo" or "recursive_doubling") on `group` (default: the
+    world)."""
     try:
         impl = DP_SYNC_IMPLS[name]
     except KeyError:

@@ -1,33 +1,39 @@
 """DEP: data-parallel attention + expert parallelism, one rank process per attention replica.
 
-Each rank owns its requests (its own scheduler and KV pool), a full copy of attention, dense layers and
-shared experts, and a contiguous 1/n share of the routed experts' physical slots. The ranks meet inside
-every MoE layer (the `AllToAllDispatcher`), so they must run the same number of forward passes:
+Each rank owns its requests (its own scheduler and KV pool), a full copy of attention, dense layers
+and shared experts, and a contiguous 1/n share of the routed experts' physical slots. The ranks meet
+inside every MoE layer (the `AllToAllDispatcher`), so they must run the same number of forward
+passes:
 
     EngineCore.step() on every rank, in lockstep:
-      schedule locally -> DP sync: all_reduce([has_work, num_tokens, num_unfinished, stop]) int64 [4]
+      schedule locally -> DP sync: all_reduce([has_work, num_tokens, num_unfinished, stop]) int64
+      [4]
         -> no rank has work:        return {} without a forward (the caller idles)
         -> this rank has no work:   DUMMY forward (1 token into the reserved scratch block)
         -> else:                    the real batch
 
-`stop`: a rank that calls `LockstepStepper.request_stop()` makes every rank's record of that step say
-`stop` (after its forward, if any), so a serving instance's ranks leave the collective sequence at the
-same step.
+`stop`: a rank that calls `LockstepStepper.request_stop()` makes every rank's record of that step
+say `stop` (after its forward, if any), so a serving instance's ranks leave the collective sequence
+at the same step.
 
-Placement switch (EPLB): the same all-reduce also carries [is_staged, V, V*V], where V is the placement
-version this rank has staged and ready (0, 0, 0 when none). Every rank switches to V in this step, before
-its forward, iff sum(is_staged) == size and size * sum(V*V) == sum(V)**2 (all ranks hold the same V: the
-variance of the V's is zero); V = sum(V) / size. The rule is a function of the sums only, so every rank
-takes the same decision in the same step; no collective is added. Versions stay far below 2**28.
+Placement switch (EPLB): the same all-reduce also carries [is_staged, V, V*V], where V is the
+placement version this rank has staged and ready (0, 0, 0 when none). Every rank switches to V in
+this step, before its forward, iff sum(is_staged) == size and size * sum(V*V) == sum(V)**2 (all
+ranks hold the same V: the variance of the V's is zero); V = sum(V) / size. The rule is a function
+of the sums only, so every rank takes the same decision in the same step; no collective is added.
+Versions stay far below 2**28.
 
 The rendezvous (a TCPStore on rank 0) listens on `master_addr` only. Gloo's pair sockets use the
-network interface `DEPConfig.gloo_interface` (by default: the loopback interface for a loopback master),
-given to gloo as a device of the process group's options (`gloo_backend`), not through the environment.
+network interface `DEPConfig.gloo_interface` (by default: the loopback interface for a loopback
+master), given to gloo as a device of the process group's options (`gloo_backend`), not through the
+environment.
 
-Setup: `init_dep(DEPConfig(...))` -> `DEPContext`; `EngineCore(model_dir, config, dep=context)` builds the
-model with this rank's slots and the dispatcher, reserves the scratch block and drives `LockstepStepper`.
-The offline driver that steps such an engine to completion is `pdmesh_engine.llm.run_lockstep`.
+Setup: `init_dep(DEPConfig(...))` -> `DEPContext`; `EngineCore(model_dir, config, dep=context)`
+builds the model with this rank's slots and the dispatcher, reserves the scratch block and drives
+`LockstepStepper`. The offline driver that steps such an engine to completion is
+`pdmesh_engine.llm.run_lockstep`.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -51,23 +57,27 @@ if TYPE_CHECKING:
     from pdmesh_engine.request import Request
     from pdmesh_engine.scheduler import SampledToken, SchedulerOutput
 
-AUTO_INTERFACE = "auto"     # gloo_interface: the loopback interface for a loopback master, else gloo's default
+# gloo_interface: the loopback interface for a loopback master, else gloo's default
+AUTO_INTERFACE = "auto"
 
 
 @dataclass(frozen=True)
 class DEPConfig:
-    """One rank of a DEP instance. `size` ranks meet at tcp://master_addr:master_port (loopback by default)."""
+    """One rank of a DEP instance. `size` ranks meet at tcp://master_addr:master_port (loopback by
+    default)."""
 
     rank: int
     size: int
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     backend: str = "gloo"
-    dp_sync: str = "recursive_doubling"      # see pdmesh_engine.parallel.allreduce.DP_SYNC_IMPLS
-    dispatcher: str = "all_to_all"           # see pdmesh_engine.parallel.dispatch.DISPATCHERS
-    num_redundant_experts: int = 0           # extra physical slots per MoE layer (replicas)
-    timeout_s: float = 600.0                 # a collective waiting longer raises instead of hanging
-    gloo_interface: str | None = AUTO_INTERFACE  # gloo's pair sockets (e.g. "lo", "eth0"); None: gloo's default
+    dp_sync: str = "recursive_doubling"  # see pdmesh_engine.parallel.allreduce.DP_SYNC_IMPLS
+    dispatcher: str = "all_to_all"  # see pdmesh_engine.parallel.dispatch.DISPATCHERS
+    num_redundant_experts: int = 0  # extra physical slots per MoE layer (replicas)
+    timeout_s: float = 600.0  # a collective waiting longer raises instead of hanging
+    gloo_interface: str | None = (
+        AUTO_INTERFACE  # gloo's pair sockets (e.g. "lo", "eth0"); None: gloo's default
+    )
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -76,23 +86,30 @@ class DEPConfig:
             raise ValueError(f"master_port must be in 1..65535, got {self.master_port}")
         check_dep_choices(self.dp_sync, self.num_redundant_experts)
         if self.dispatcher not in DISPATCHERS:
-            raise ValueError(f"unknown dispatcher {self.dispatcher!r}; choose from {sorted(DISPATCHERS)}")
+            raise ValueError(
+                f"unknown dispatcher {self.dispatcher!r}; choose from {sorted(DISPATCHERS)}"
+            )
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
         if self.gloo_interface is not None and not self.gloo_interface:
             raise ValueError("gloo_interface must be an interface name, 'auto' or None, got ''")
 
     def resolved_gloo_interface(self) -> str | None:
-        """The interface gloo binds: "auto" is the loopback interface when `master_addr` is loopback."""
+        """The interface gloo binds: "auto" is the loopback interface when `master_addr` is
+        loopback."""
         if self.gloo_interface != AUTO_INTERFACE:
             return self.gloo_interface
         return loopback_interface() if _is_loopback(self.master_addr) else None
 
 
-def check_dep_choices(dp_sync: str, num_redundant_experts: int, dp_sync_name: str = "dp_sync",
-                      redundant_name: str = "num_redundant_experts") -> None:
-    """The DEP choices that `DEPConfig` and a service's --dep options share (ValueError naming the field
-    as the caller spells it)."""
+def check_dep_choices(
+    dp_sync: str,
+    num_redundant_experts: int,
+    dp_sync_name: str = "dp_sync",
+    redundant_name: str = "num_redundant_experts",
+) -> None:
+    """The DEP choices that `DEPConfig` and a service's --dep options share (ValueError naming the
+    field as the caller spells it)."""
     if num_redundant_experts < 0:
         raise ValueError(f"{redundant_name} must be >= 0, got {num_redundant_experts}")
     if dp_sync not in DP_SYNC_IMPLS:
@@ -103,9 +120,11 @@ def slots_of_rank(num_experts: int, num_redundant: int, size: int, rank: int) ->
     """This rank's contiguous share of the P = num_experts + num_redundant physical slots."""
     num_physical = num_experts + num_redundant
     if num_physical % size:
-        raise ValueError(f"{num_experts} routed experts + {num_redundant} redundant slots = {num_physical} "
-                         f"physical slots do not split evenly across {size} DEP ranks; choose "
-                         f"num_redundant_experts so that the sum is a multiple of {size}")
+        raise ValueError(
+            f"{num_experts} routed experts + {num_redundant} redundant slots = {num_physical} "
+            f"physical slots do not split evenly across {size} DEP ranks; choose "
+            f"num_redundant_experts so that the sum is a multiple of {size}"
+        )
     per_rank = num_physical // size
     return range(rank * per_rank, (rank + 1) * per_rank)
 
@@ -115,8 +134,9 @@ class DEPContext:
     """What a DEP rank holds after `init_dep`: its config, the process groups and the DP sync."""
 
     config: DEPConfig
-    dispatch_group: dist.ProcessGroup | None    # the MoE all-to-alls (its own group: a GPU backend can differ)
-    dp_sync: DPSync                             # the per-step all-reduce, on the world group
+    # the MoE all-to-alls (its own group: a GPU backend can differ)
+    dispatch_group: dist.ProcessGroup | None
+    dp_sync: DPSync  # the per-step all-reduce, on the world group
     dispatcher: ExpertDispatcher = field(init=False)
 
     def __post_init__(self) -> None:
@@ -127,12 +147,21 @@ class DEPContext:
         return getattr(self.dispatcher, "stats", None)
 
     def model_kwargs(self, model_config: ModelConfig) -> dict[str, Any]:
-        """Keyword arguments of `DeepseekV3ForCausalLM`: the initial placement, this rank's slots, the dispatcher."""
+        """Keyword arguments of `DeepseekV3ForCausalLM`: the initial placement, this rank's slots,
+        the dispatcher."""
         num_moe = len(model_config.moe_layer_ids)
         experts, redundant = model_config.n_routed_experts, self.config.num_redundant_experts
-        slots = slots_of_rank(experts, redundant, self.config.size, self.config.rank) if num_moe else range(0)
+        slots = (
+            slots_of_rank(experts, redundant, self.config.size, self.config.rank)
+            if num_moe
+            else range(0)
+        )
         placement = ExpertPlacement.initial(experts, redundant) if num_moe else None
-        return dict(placements=[placement] * num_moe, local_slots=[slots] * num_moe, dispatcher=self.dispatcher)
+        return dict(
+            placements=[placement] * num_moe,
+            local_slots=[slots] * num_moe,
+            dispatcher=self.dispatcher,
+        )
 
 
 def init_dep(config: DEPConfig) -> DEPContext:
@@ -141,11 +170,18 @@ def init_dep(config: DEPConfig) -> DEPContext:
     backend = gloo_backend(interface) if interface else config.backend
     if not dist.is_initialized():
         timeout = timedelta(seconds=config.timeout_s)
-        dist.init_process_group(backend, store=_rendezvous(config, timeout), rank=config.rank,
-                                world_size=config.size, timeout=timeout)
+        dist.init_process_group(
+            backend,
+            store=_rendezvous(config, timeout),
+            rank=config.rank,
+            world_size=config.size,
+            timeout=timeout,
+        )
     elif (dist.get_rank(), dist.get_world_size()) != (config.rank, config.size):
-        raise ValueError(f"torch.distributed is already initialised as rank {dist.get_rank()} of "
-                         f"{dist.get_world_size()}, not rank {config.rank} of {config.size}")
+        raise ValueError(
+            f"torch.distributed is already initialised as rank {dist.get_rank()} of "
+            f"{dist.get_world_size()}, not rank {config.rank} of {config.size}"
+        )
     dispatch_group = dist.new_group(backend=backend)
     return DEPContext(config, dispatch_group, make_dp_sync(config.dp_sync))
 
@@ -153,16 +189,18 @@ def init_dep(config: DEPConfig) -> DEPContext:
 def gloo_backend(interface: str) -> str:
     """The name of a torch.distributed backend that is gloo with its pair sockets on `interface`.
 
-    Torch's built-in "gloo" picks its device from the environment (GLOO_SOCKET_IFNAME) or the hostname;
-    this registers (once per interface, through torch's public `Backend.register_backend`) a backend
-    that builds the same `ProcessGroupGloo` with an explicit device in its options."""
+    Torch's built-in "gloo" picks its device from the environment (GLOO_SOCKET_IFNAME) or the
+    hostname; this registers (once per interface, through torch's public `Backend.register_backend`)
+    a backend that builds the same `ProcessGroupGloo` with an explicit device in its options."""
     name = f"gloo_on_{interface}".lower()
     if name not in dist.Backend.backend_list:
+
         def create(opts: Any, _backend_options: Any) -> dist.ProcessGroupGloo:
             options = dist.ProcessGroupGloo._Options()
             options._timeout = opts.timeout
             options._devices = [dist.ProcessGroupGloo.create_device(interface=interface)]
             return dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, options)
+
         dist.Backend.register_backend(name, create, extended_api=True, devices=["cpu"])
     return name
 
@@ -170,7 +208,9 @@ def gloo_backend(interface: str) -> str:
 def loopback_interface() -> str | None:
     """This host's loopback interface ("lo" on Linux, "lo0" on macOS), None if there is none."""
     names = [name for _, name in socket.if_nameindex()]
-    return next((n for n in names if n == "lo"), next((n for n in names if n.startswith("lo")), None))
+    return next(
+        (n for n in names if n == "lo"), next((n for n in names if n.startswith("lo")), None)
+    )
 
 
 def _is_loopback(address: str) -> bool:
@@ -181,8 +221,8 @@ def _is_loopback(address: str) -> bool:
 
 
 def _rendezvous(config: DEPConfig, timeout: timedelta) -> dist.TCPStore:
-    """The TCPStore of the group; rank 0 serves it on a socket bound to `master_addr` only (torch's own
-    server would listen on every interface)."""
+    """The TCPStore of the group; rank 0 serves it on a socket bound to `master_addr` only (torch's
+    own server would listen on every interface)."""
     if config.rank:
         return dist.TCPStore(config.master_addr, config.master_port, config.size, False, timeout)
     family = socket.AF_INET6 if ":" in config.master_addr else socket.AF_INET
@@ -191,12 +231,18 @@ def _rendezvous(config: DEPConfig, timeout: timedelta) -> dist.TCPStore:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((config.master_addr, config.master_port))
         listener.listen(config.size * 4)
-        store = dist.TCPStore(config.master_addr, config.master_port, config.size, True, timeout,
-                              master_listen_fd=listener.fileno())
+        store = dist.TCPStore(
+            config.master_addr,
+            config.master_port,
+            config.size,
+            True,
+            timeout,
+            master_listen_fd=listener.fileno(),
+        )
     except BaseException:
         listener.close()
         raise
-    listener.detach()           # the store owns the listening socket from here
+    listener.detach()  # the store owns the listening socket from here
     return store
 
 
@@ -208,9 +254,13 @@ def shutdown_dep() -> None:
 
 @torch.inference_mode()
 def dummy_forward(runner: ModelRunner, scratch_block: int) -> None:
-    """One token at position 0 into `scratch_block`: joins the MoE collectives, records no expert load."""
-    batch = ForwardBatch.build([[0]], [0], [[scratch_block]], runner.config.block_size, [False], runner.device)
-    runner.model(batch, runner.kv_caches, expert_load=None)    # the dummy token is not load: EPLB must not see it
+    """One token at position 0 into `scratch_block`: joins the MoE collectives, records no expert
+    load."""
+    batch = ForwardBatch.build(
+        [[0]], [0], [[scratch_block]], runner.config.block_size, [False], runner.device
+    )
+    # the dummy token is not load: EPLB must not see it
+    runner.model(batch, runner.kv_caches, expert_load=None)
     if runner.expert_load is not None:
         runner.expert_load.end_step()  # an empty row keeps every rank's ring aligned by global step
 
@@ -220,13 +270,14 @@ class LockstepRecord:
     """One `step()` of a DEP rank: the DP sync's sums over ranks, and what this rank ran."""
 
     ranks_with_work: int
-    num_tokens: int            # scheduled tokens, all ranks
-    num_unfinished: int        # requests still running or waiting, all ranks (before this step's outputs)
-    local_tokens: int          # this rank's scheduled tokens (0 for a dummy or idle step)
+    num_tokens: int  # scheduled tokens, all ranks
+    num_unfinished: int  # requests still running or waiting, all ranks (before this step's outputs)
+    local_tokens: int  # this rank's scheduled tokens (0 for a dummy or idle step)
     ran_forward: bool
     dummy: bool
-    stop: bool = False         # some rank asked to stop: every rank leaves the step sequence after this one
-    switched_to: int = 0       # the placement version every rank switched to before this step's forward
+    # some rank asked to stop: every rank leaves the step sequence after this one
+    stop: bool = False
+    switched_to: int = 0  # the placement version every rank switched to before this step's forward
 
 
 @dataclass
@@ -235,11 +286,12 @@ class LockstepCounters:
     forwards: int = 0
     dummies: int = 0
     idle: int = 0
-    sync_s: float = 0.0        # time in the DP sync (includes waiting for slower ranks)
+    sync_s: float = 0.0  # time in the DP sync (includes waiting for slower ranks)
 
 
 class PlacementSwitch(Protocol):
-    """What the stepper needs from the engine's placement stager (pdmesh_engine.parallel.placement)."""
+    """What the stepper needs from the engine's placement stager
+    (pdmesh_engine.parallel.placement)."""
 
     def ready_version(self) -> int:
         """The placement version staged and ready to switch to; 0 if none."""
@@ -251,8 +303,13 @@ class PlacementSwitch(Protocol):
 
 
 def agreed_version(num_staged: int, version_sum: int, version_square_sum: int, size: int) -> int:
-    """The version every rank switches to in this step (0: none), from the DP sync's sums (module docstring)."""
-    if num_staged != size or version_sum <= 0 or size * version_square_sum != version_sum * version_sum:
+    """The version every rank switches to in this step (0: none), from the DP sync's sums (module
+    docstring)."""
+    if (
+        num_staged != size
+        or version_sum <= 0
+        or size * version_square_sum != version_sum * version_sum
+    ):
         return 0
     return version_sum // size
 
@@ -264,8 +321,14 @@ class LockstepStepper:
     `size` ranks has it ready (module docstring); `LockstepRecord.switched_to` says when.
     """
 
-    def __init__(self, dp_sync: DPSync, runner: ModelRunner, scratch_block: int,
-                 placement: PlacementSwitch | None = None, size: int = 1) -> None:
+    def __init__(
+        self,
+        dp_sync: DPSync,
+        runner: ModelRunner,
+        scratch_block: int,
+        placement: PlacementSwitch | None = None,
+        size: int = 1,
+    ) -> None:
         self.dp_sync, self.runner, self.scratch_block = dp_sync, runner, scratch_block
         self.placement, self.size = placement, size
         self.counters = LockstepCounters()
@@ -276,24 +339,45 @@ class LockstepStepper:
         """This rank wants to stop: the next step's record says `stop` on every rank."""
         self.stop_requested = True
 
-    def execute(self, output: SchedulerOutput, requests: dict[str, Request],
-                num_unfinished: int) -> dict[str, SampledToken]:
+    def execute(
+        self, output: SchedulerOutput, requests: dict[str, Request], num_unfinished: int
+    ) -> dict[str, SampledToken]:
         """Every rank calls this once per step, whatever it scheduled (collective)."""
         start = time.perf_counter()
         ready = self.placement.ready_version() if self.placement is not None else 0
-        local = torch.tensor([int(not output.is_empty), output.num_tokens, num_unfinished, int(self.stop_requested),
-                              int(ready > 0), ready, ready * ready], dtype=torch.int64)
+        local = torch.tensor(
+            [
+                int(not output.is_empty),
+                output.num_tokens,
+                num_unfinished,
+                int(self.stop_requested),
+                int(ready > 0),
+                ready,
+                ready * ready,
+            ],
+            dtype=torch.int64,
+        )
         self.dp_sync.all_reduce(local)
-        ranks_with_work, num_tokens, unfinished, stops, num_staged, version_sum, square_sum = local.tolist()
+        ranks_with_work, num_tokens, unfinished, stops, num_staged, version_sum, square_sum = (
+            local.tolist()
+        )
         counters = self.counters
         counters.sync_s += time.perf_counter() - start
         counters.steps += 1
         switched_to = agreed_version(num_staged, version_sum, square_sum, self.size)
         if switched_to and self.placement is not None:
-            self.placement.switch_to(switched_to)       # every rank, before this step's forward
+            self.placement.switch_to(switched_to)  # every rank, before this step's forward
         ran, dummy = ranks_with_work > 0, ranks_with_work > 0 and output.is_empty
-        self.last = LockstepRecord(ranks_with_work, num_tokens, unfinished, output.num_tokens, ran, dummy, stops > 0,
-                                   switched_to)
+        self.last = LockstepRecord(
+            ranks_with_work,
+            num_tokens,
+            unfinished,
+            output.num_tokens,
+            ran,
+            dummy,
+            stops > 0,
+            switched_to,
+        )
         if not ran:
             counters.idle += 1
             self.runner.end_requests(output.finished_ids)
@@ -309,5 +393,8 @@ class LockstepStepper:
     @property
     def all_done(self) -> bool:
         """The last step found no rank with work or requests: every rank agrees (same sums)."""
-        return self.last is not None and self.last.ranks_with_work == 0 and self.last.num_unfinished == 0
-
+        return (
+            self.last is not None
+            and self.last.ranks_with_work == 0
+            and self.last.num_unfinished == 0
+        )

@@ -1,28 +1,32 @@
-"""A thin, synchronous NIXL (UCX) agent over one KV block pool: the prefill side pushes, the decode side is told.
+"""A thin, synchronous NIXL (UCX) agent over one KV block pool: the prefill side pushes, the decode
+side is told.
 
 Chain: decode `KVTransferAgent(name, pool)` → `metadata()` published through the kvstore → prefill
-`connect(name, metadata)` → `write(request_id, local_ids, name, decode_layout, remote_ids)` = ONE NIXL WRITE
-(every layer × coalesced run in one transfer handle, notification = request id) → prefill `poll`/`wait` →
-decode `notifications()` returns the request id once every byte has landed.
+`connect(name, metadata)` → `write(request_id, local_ids, name, decode_layout, remote_ids)` = ONE
+NIXL WRITE (every layer × coalesced run in one transfer handle, notification = request id) → prefill
+`poll`/`wait` → decode `notifications()` returns the request id once every byte has landed.
 
 Contracts:
-- the pool tensor `[L, N, B, D]` (contiguous, see `pdmesh_engine.transfer.layout`) is registered once and must
-  outlive the agent; the agent never allocates KV memory;
-- one thread drives an agent (the worker's engine thread); a lock only guards against accidental sharing;
-- a WRITE completes only while the receiving agent makes progress, so a receiving (decode) agent keeps
-  NIXL's progress thread (`progress_thread=True`, the default: woken by UCX events, sleeping
-  `progress_delay_us` between idle checks where nixl's own default spins at ~40% of a core per agent);
-  a sending (prefill) agent is driven by its own `poll`/`wait` and is faster without one on few cores
-  (`pdmesh bench kvxfer --sender-progress-thread` shows the difference);
-- `write` raises ValueError for a bad plan and `TransferError` when NIXL refuses to start the transfer;
-  a transfer that starts and then fails ends as FAILED from `poll`/`wait`.
+- the pool tensor `[L, N, B, D]` (contiguous, see `pdmesh_engine.transfer.layout`) is registered
+  once and must outlive the agent; the agent never allocates KV memory;
+- one thread drives an agent (the worker's engine thread); a lock only guards against accidental
+  sharing;
+- a WRITE completes only while the receiving agent makes progress, so a receiving (decode) agent
+  keeps NIXL's progress thread (`progress_thread=True`, the default: woken by UCX events, sleeping
+  `progress_delay_us` between idle checks where nixl's own default spins at ~40% of a core per
+  agent); a sending (prefill) agent is driven by its own `poll`/`wait` and is faster without one on
+  few cores (`pdmesh bench kvxfer --sender-progress-thread` shows the difference);
+- `write` raises ValueError for a bad plan and `TransferError` when NIXL refuses to start the
+  transfer; a transfer that starts and then fails ends as FAILED from `poll`/`wait`.
 
 Transport (UCX picks it; `UCX_TLS` overrides): on one host block bytes go by `cma` (one kernel copy,
-process_vm_writev), notifications and connection set-up by `tcp`. UCX's tcp transport listens on every
-network device in `UCX_NET_DEVICES`, which UCX reads from the process environment when an agent is
-built. This module never sets it: the service entry does, once at process start (`lo` when the service
-binds loopback; compose and Kubernetes set e.g. `eth0` or an RDMA device as configuration).
+process_vm_writev), notifications and connection set-up by `tcp`. UCX's tcp transport listens on
+every network device in `UCX_NET_DEVICES`, which UCX reads from the process environment when an
+agent is built. This module never sets it: the service entry does, once at process start (`lo` when
+the service binds loopback; compose and Kubernetes set e.g. `eth0` or an RDMA device as
+configuration).
 """
+
 from __future__ import annotations
 
 import threading
@@ -46,13 +50,14 @@ class TransferError(RuntimeError):
 
 @dataclass
 class Transfer:
-    """One WRITE in flight; `state` is final once DONE or FAILED (the NIXL handle is then released)."""
+    """One WRITE in flight; `state` is final once DONE or FAILED (the NIXL handle is then
+    released)."""
 
     request_id: str
     peer_name: str
     nbytes: int
-    num_regions: int                     # descriptors per side (layers × coalesced runs)
-    started_s: float                     # time.perf_counter() when posted
+    num_regions: int  # descriptors per side (layers × coalesced runs)
+    started_s: float  # time.perf_counter() when posted
     handle: Any = field(default=None, repr=False)
     state: State = "PENDING"
     finished_s: float | None = None
@@ -65,8 +70,9 @@ class Transfer:
 def _new_nixl_agent(name: str, progress_thread: bool, progress_delay_us: int) -> Any:
     """`nixl_agent(name)` with the UCX backend and the progress thread's idle delay set.
 
-    nixl's Python wrapper hard-codes `pthrDelay = 0` (a busy loop); the config class is swapped, only
-    while the agent is built, for one that keeps our delay. If the bindings change shape, fall back.
+    nixl's Python wrapper hard-codes `pthrDelay = 0` (a busy loop); the config class is swapped,
+    only while the agent is built, for one that keeps our delay. If the bindings change shape, fall
+    back.
     """
     config = nixl_api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
     bindings = getattr(nixl_api, "nixlBind", None)
@@ -75,7 +81,7 @@ def _new_nixl_agent(name: str, progress_thread: bool, progress_delay_us: int) ->
         if base is None or not progress_thread:
             return nixl_api.nixl_agent(name, config)
 
-        class _DelayedConfig(base):   # type: ignore[misc, valid-type]
+        class _DelayedConfig(base):  # type: ignore[misc, valid-type]
             def __setattr__(self, key: str, value: Any) -> None:
                 super().__setattr__(key, progress_delay_us if key == "pthrDelay" else value)
 
@@ -89,16 +95,22 @@ def _new_nixl_agent(name: str, progress_thread: bool, progress_delay_us: int) ->
 class KVTransferAgent:
     """Owns one NIXL agent and the registration of one KV pool."""
 
-    def __init__(self, name: str, kv: torch.Tensor, progress_thread: bool = True, progress_delay_us: int = 1000) -> None:
+    def __init__(
+        self,
+        name: str,
+        kv: torch.Tensor,
+        progress_thread: bool = True,
+        progress_delay_us: int = 1000,
+    ) -> None:
         if not name:
             raise ValueError("agent name must not be empty")
         self.name = name
         self.layout = PoolLayout.of_tensor(kv)
-        self._kv = kv                                   # keep the memory alive while registered
+        self._kv = kv  # keep the memory alive while registered
         self._lock = threading.RLock()
         self._agent = _new_nixl_agent(name, progress_thread, progress_delay_us)
         self._registration = self._agent.register_memory(kv)
-        self._peers: dict[str, bytes] = {}              # peer name -> metadata it was added with
+        self._peers: dict[str, bytes] = {}  # peer name -> metadata it was added with
         self.bytes_sent = self.num_transfers = self.num_failures = 0
         self._closed = False
 
@@ -109,8 +121,8 @@ class KVTransferAgent:
     def connect(self, peer_name: str, metadata: bytes) -> None:
         """Make `peer_name` writable; a no-op when already connected with the same metadata.
 
-        New metadata under a known name (the peer restarted) replaces the old connection. ValueError when
-        the metadata names another agent; TransferError when NIXL cannot load it.
+        New metadata under a known name (the peer restarted) replaces the old connection. ValueError
+        when the metadata names another agent; TransferError when NIXL cannot load it.
         """
         if peer_name == self.name:
             raise ValueError(f"agent {self.name!r} cannot connect to itself")
@@ -134,11 +146,19 @@ class KVTransferAgent:
     def is_connected(self, peer_name: str) -> bool:
         return peer_name in self._peers
 
-    def write(self, request_id: str, local_block_ids: Sequence[int], peer_name: str, peer_layout: PoolLayout,
-              remote_block_ids: Sequence[int]) -> Transfer:
-        """Post ONE WRITE copying local block `local_block_ids[i]` to the peer's `remote_block_ids[i]`, all layers.
+    def write(
+        self,
+        request_id: str,
+        local_block_ids: Sequence[int],
+        peer_name: str,
+        peer_layout: PoolLayout,
+        remote_block_ids: Sequence[int],
+    ) -> Transfer:
+        """Post ONE WRITE copying local block `local_block_ids[i]` to the peer's
+        `remote_block_ids[i]`, all layers.
 
-        The peer is notified with `request_id` (utf-8) after the bytes land. Returns at once; see `poll`.
+        The peer is notified with `request_id` (utf-8) after the bytes land. Returns at once; see
+        `poll`.
         """
         plan = plan_write(self.layout, local_block_ids, peer_layout, remote_block_ids)
         with self._lock:
@@ -147,18 +167,25 @@ class KVTransferAgent:
             try:
                 local = self._agent.get_xfer_descs(plan.local, self.layout.memory_type)
                 remote = self._agent.get_xfer_descs(plan.remote, peer_layout.memory_type)
-                handle = self._agent.initialize_xfer("WRITE", local, remote, peer_name, request_id.encode())
+                handle = self._agent.initialize_xfer(
+                    "WRITE", local, remote, peer_name, request_id.encode()
+                )
             except Exception as e:  # noqa: BLE001 - nixl raises its own binding exceptions
                 self.num_failures += 1
-                raise TransferError(f"cannot start transfer of {request_id!r} to {peer_name!r}: {e}") from e
-            transfer = Transfer(request_id, peer_name, plan.nbytes, len(plan.local), time.perf_counter(), handle)
+                raise TransferError(
+                    f"cannot start transfer of {request_id!r} to {peer_name!r}: {e}"
+                ) from e
+            transfer = Transfer(
+                request_id, peer_name, plan.nbytes, len(plan.local), time.perf_counter(), handle
+            )
             self.num_transfers += 1
             if self._agent.transfer(handle) == "ERR":
                 self._finish(transfer, "FAILED")
             return transfer
 
     def poll(self, transfer: Transfer) -> State:
-        """Where the transfer stands; DONE and FAILED are final (the NIXL handle is released then)."""
+        """Where the transfer stands; DONE and FAILED are final (the NIXL handle is released
+        then)."""
         with self._lock:
             if transfer.state != "PENDING":
                 return transfer.state
@@ -170,12 +197,13 @@ class KVTransferAgent:
             return transfer.state
 
     def wait(self, transfer: Transfer, timeout_s: float = 10.0) -> State:
-        """Poll until final or `timeout_s` passes; PENDING means it timed out (poll again, or `abort`)."""
+        """Poll until final or `timeout_s` passes; PENDING means it timed out (poll again, or
+        `abort`)."""
         deadline = time.perf_counter() + timeout_s
         spins = 0
         while (state := self.poll(transfer)) == "PENDING" and time.perf_counter() < deadline:
             spins += 1
-            if spins > 100:                 # past the first ~100 polls, stop hogging the core
+            if spins > 100:  # past the first ~100 polls, stop hogging the core
                 time.sleep(50e-6)
         return state
 
@@ -186,10 +214,15 @@ class KVTransferAgent:
                 self._finish(transfer, "FAILED")
 
     def notifications(self) -> list[str]:
-        """Request ids whose WRITE has fully landed in this agent's pool since the last call, from any peer."""
+        """Request ids whose WRITE has fully landed in this agent's pool since the last call, from
+        any peer."""
         with self._lock:
             found = self._agent.get_new_notifs()
-        return [message.decode("utf-8", errors="replace") for messages in found.values() for message in messages]
+        return [
+            message.decode("utf-8", errors="replace")
+            for messages in found.values()
+            for message in messages
+        ]
 
     def close(self) -> None:
         """Forget peers and deregister the pool; the agent is unusable afterwards."""

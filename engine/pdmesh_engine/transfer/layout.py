@@ -1,12 +1,15 @@
-"""Where KV blocks lie in a block pool, and which memory regions one hand-off moves (pure: no nixl, no protobuf).
+"""Where KV blocks lie in a block pool, and which memory regions one hand-off moves (pure: no nixl,
+no protobuf).
 
-Chain: prefill block ids + decode block ids → `coalesce` → runs → `regions` on each side → the two equal-length
-descriptor lists of ONE NIXL WRITE (see `pdmesh_engine.transfer.agent`).
+Chain: prefill block ids + decode block ids → `coalesce` → runs → `regions` on each side → the two
+equal-length descriptor lists of ONE NIXL WRITE (see `pdmesh_engine.transfer.agent`).
 
 Legend: L layers, N blocks per layer, B tokens per block, D entry elements per token.
-A pool is the contiguous tensor `[L, N, B, D]` of `pdmesh_engine.kv_cache`; block b of layer l starts at
-`base_address + l * layer_stride_bytes + b * block_bytes` and is `block_bytes = B * D * itemsize` long.
+A pool is the contiguous tensor `[L, N, B, D]` of `pdmesh_engine.kv_cache`; block b of layer l
+starts at `base_address + l * layer_stride_bytes + b * block_bytes` and is `block_bytes = B * D *
+itemsize` long.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -22,7 +25,8 @@ MEMORY_TYPES = ("DRAM", "VRAM")
 
 @dataclass(frozen=True)
 class PoolLayout:
-    """The addressing view of a block pool, as a remote agent needs it (mirrors `common.v1.KVLayout`)."""
+    """The addressing view of a block pool, as a remote agent needs it (mirrors
+    `common.v1.KVLayout`)."""
 
     base_address: int
     num_layers: int
@@ -37,23 +41,35 @@ class PoolLayout:
         if min(self.num_layers, self.num_blocks, self.block_size, self.block_bytes) < 1:
             raise ValueError(f"layout sizes must be positive: {self}")
         if self.layer_stride_bytes < self.num_blocks * self.block_bytes:
-            raise ValueError(f"layer_stride_bytes {self.layer_stride_bytes} < num_blocks * block_bytes "
-                             f"{self.num_blocks * self.block_bytes}: layers would overlap")
+            raise ValueError(
+                f"layer_stride_bytes {self.layer_stride_bytes} < num_blocks * block_bytes "
+                f"{self.num_blocks * self.block_bytes}: layers would overlap"
+            )
         if self.memory_type not in MEMORY_TYPES:
             raise ValueError(f"memory_type must be one of {MEMORY_TYPES}, got {self.memory_type!r}")
 
     @classmethod
-    def of_tensor(cls, kv: Any) -> "PoolLayout":
-        """The layout of a contiguous `[L, N, B, D]` tensor (torch; duck-typed so this module stays pure)."""
+    def of_tensor(cls, kv: Any) -> PoolLayout:
+        """The layout of a contiguous `[L, N, B, D]` tensor (torch; duck-typed so this module stays
+        pure)."""
         if kv.dim() != 4 or not kv.is_contiguous():
-            raise ValueError(f"KV pool must be a contiguous [L, N, B, D] tensor, got shape {tuple(kv.shape)} "
-                             f"(contiguous={kv.is_contiguous()})")
+            raise ValueError(
+                f"KV pool must be a contiguous [L, N, B, D] tensor, got shape {tuple(kv.shape)} "
+                f"(contiguous={kv.is_contiguous()})"
+            )
         num_layers, num_blocks, block_size, entry_dim = kv.shape
         block_bytes = block_size * entry_dim * kv.element_size()
         on_gpu = kv.device.type == "cuda"
-        return cls(base_address=kv.data_ptr(), num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
-                   block_bytes=block_bytes, layer_stride_bytes=num_blocks * block_bytes,
-                   device_id=kv.get_device() if on_gpu else 0, memory_type="VRAM" if on_gpu else "DRAM")
+        return cls(
+            base_address=kv.data_ptr(),
+            num_layers=num_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            block_bytes=block_bytes,
+            layer_stride_bytes=num_blocks * block_bytes,
+            device_id=kv.get_device() if on_gpu else 0,
+            memory_type="VRAM" if on_gpu else "DRAM",
+        )
 
     @property
     def total_bytes(self) -> int:
@@ -63,8 +79,9 @@ class PoolLayout:
     def block_address(self, layer: int, block: int) -> int:
         return self.base_address + layer * self.layer_stride_bytes + block * self.block_bytes
 
-    def check_compatible(self, other: "PoolLayout") -> None:
-        """Prefill and decode pools must agree on what a block holds; raises ValueError otherwise."""
+    def check_compatible(self, other: PoolLayout) -> None:
+        """Prefill and decode pools must agree on what a block holds; raises ValueError
+        otherwise."""
         for name in ("num_layers", "block_size", "block_bytes"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
@@ -84,7 +101,7 @@ def coalesce(local_ids: Sequence[int], remote_ids: Sequence[int]) -> list[Run]:
     if len(local_ids) != len(remote_ids):
         raise ValueError(f"{len(local_ids)} local blocks but {len(remote_ids)} remote blocks")
     runs: list[Run] = []
-    for local, remote in zip(local_ids, remote_ids):
+    for local, remote in zip(local_ids, remote_ids, strict=True):
         if runs:
             ls, rs, n = runs[-1]
             if local == ls + n and remote == rs + n:
@@ -94,8 +111,11 @@ def coalesce(local_ids: Sequence[int], remote_ids: Sequence[int]) -> list[Run]:
     return runs
 
 
-def regions(layout: PoolLayout, runs: Sequence[Run], side: Literal["local", "remote"] = "local") -> list[Region]:
-    """One region per (layer, run), layer-major: `count` consecutive blocks of one layer are one region.
+def regions(
+    layout: PoolLayout, runs: Sequence[Run], side: Literal["local", "remote"] = "local"
+) -> list[Region]:
+    """One region per (layer, run), layer-major: `count` consecutive blocks of one layer are one
+    region.
 
     `side` picks the run's local or remote start; both sides' lists line up entry by entry.
     """
@@ -104,33 +124,44 @@ def regions(layout: PoolLayout, runs: Sequence[Run], side: Literal["local", "rem
     for layer in range(layout.num_layers):
         for run in runs:
             start, count = run[pick], run[2]
-            out.append((layout.block_address(layer, start), count * layout.block_bytes, layout.device_id))
+            out.append(
+                (layout.block_address(layer, start), count * layout.block_bytes, layout.device_id)
+            )
     return out
 
 
 @dataclass(frozen=True)
 class WritePlan:
-    """Both descriptor lists of one WRITE: `local[i]` (addr, nbytes, dev) is copied to `remote[i]`."""
+    """Both descriptor lists of one WRITE: `local[i]` (addr, nbytes, dev) is copied to
+    `remote[i]`."""
 
     local: list[Region]
     remote: list[Region]
-    nbytes: int               # total bytes moved (all layers)
-    num_blocks: int           # blocks per layer
+    nbytes: int  # total bytes moved (all layers)
+    num_blocks: int  # blocks per layer
 
 
-def plan_write(local: PoolLayout, local_ids: Sequence[int], remote: PoolLayout,
-               remote_ids: Sequence[int]) -> WritePlan:
-    """Validate a block copy local_ids[i] → remote_ids[i] (every layer) and build its regions; ValueError if bad."""
+def plan_write(
+    local: PoolLayout, local_ids: Sequence[int], remote: PoolLayout, remote_ids: Sequence[int]
+) -> WritePlan:
+    """Validate a block copy local_ids[i] → remote_ids[i] (every layer) and build its regions;
+    ValueError if bad."""
     local.check_compatible(remote)
     if not local_ids:
         raise ValueError("nothing to write: no blocks")
     if len(local_ids) != len(remote_ids):
-        raise ValueError(f"{len(local_ids)} local blocks but {len(remote_ids)} remote blocks "
-                         "(pass the remote ids of the blocks written, e.g. target.block_ids[:len(local)])")
+        raise ValueError(
+            f"{len(local_ids)} local blocks but {len(remote_ids)} remote blocks "
+            "(pass the remote ids of the blocks written, e.g. target.block_ids[:len(local)])"
+        )
     local.check_block_ids(local_ids, "local block")
     remote.check_block_ids(remote_ids, "remote block")
     if len(set(remote_ids)) != len(remote_ids):
         raise ValueError(f"remote block ids repeat: {list(remote_ids)}")
     runs = coalesce(local_ids, remote_ids)
-    return WritePlan(local=regions(local, runs, "local"), remote=regions(remote, runs, "remote"),
-                     nbytes=len(local_ids) * local.num_layers * local.block_bytes, num_blocks=len(local_ids))
+    return WritePlan(
+        local=regions(local, runs, "local"),
+        remote=regions(remote, runs, "remote"),
+        nbytes=len(local_ids) * local.num_layers * local.block_bytes,
+        num_blocks=len(local_ids),
+    )

@@ -10,17 +10,19 @@ reaches every service without another copy:
   default.
 - token logprobs: `token_logprob_pb` is the one builder of `TokenLogprob` messages.
 """
+
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from google.protobuf.descriptor import FieldDescriptor
 
 from pdmesh_proto.common.v1 import common_pb2
 
-if TYPE_CHECKING:      # the engine is not a dependency of every service; only its field names are used here
+# the engine is not a dependency of every service; only its field names are used here
+if TYPE_CHECKING:
     from pdmesh_engine.sampling import SamplingParams
 
 FINISH_REASON_PREFIX = "FINISH_REASON_"
@@ -28,45 +30,58 @@ _INT64_WRAP = 1 << 64
 
 
 def finish_reason_names(values: Sequence[tuple[str, int]]) -> dict[int, str | None]:
-    """Wire value → reason ("stop", ...) for the (name, number) pairs of a FinishReason-style enum; 0 → None."""
+    """Wire value → reason ("stop", ...) for the (name, number) pairs of a FinishReason-style enum;
+    0 → None."""
     table: dict[int, str | None] = {}
     for name, number in values:
         if not name.startswith(FINISH_REASON_PREFIX):
-            raise ValueError(f"finish reason enum value {name} lacks the prefix {FINISH_REASON_PREFIX}")
-        table[number] = None if number == 0 else name[len(FINISH_REASON_PREFIX):].lower()
+            raise ValueError(
+                f"finish reason enum value {name} lacks the prefix {FINISH_REASON_PREFIX}"
+            )
+        table[number] = None if number == 0 else name[len(FINISH_REASON_PREFIX) :].lower()
     return table
 
 
 # Wire value → "stop" | "length" | "abort" | None, and back.
-FINISH_REASON_OF: Mapping[int, str | None] = MappingProxyType(finish_reason_names(common_pb2.FinishReason.items()))
-FINISH_REASON_PB: Mapping[str | None, int] = MappingProxyType({v: k for k, v in FINISH_REASON_OF.items()})
+FINISH_REASON_OF: Mapping[int, str | None] = MappingProxyType(
+    finish_reason_names(common_pb2.FinishReason.items())
+)
+FINISH_REASON_PB: Mapping[str | None, int] = MappingProxyType(
+    {v: k for k, v in FINISH_REASON_OF.items()}
+)
 
 
 def finish_reason_from_pb(value: int) -> str | None:
-    """The reason a wire value stands for (None: not finished); ValueError for a value this build lacks."""
+    """The reason a wire value stands for (None: not finished); ValueError for a value this build
+    lacks."""
     try:
         return FINISH_REASON_OF[value]
     except KeyError:
         raise ValueError(f"unknown finish reason {value}") from None
 
 
-def finish_reason_to_pb(reason: str | None) -> int:
-    """The wire value of a reason (None: FINISH_REASON_UNSPECIFIED); ValueError for an unknown reason."""
+def finish_reason_to_pb(reason: str | None) -> common_pb2.FinishReason:
+    """The wire value of a reason (None: FINISH_REASON_UNSPECIFIED); ValueError for an unknown
+    reason. The generated stubs type the enum as a subclass of int, while its values are plain ints:
+    the cast only retypes."""
     try:
-        return FINISH_REASON_PB[reason]
+        return cast(common_pb2.FinishReason, FINISH_REASON_PB[reason])
     except KeyError:
-        raise ValueError(f"unknown finish reason {reason!r}; known: {sorted(filter(None, FINISH_REASON_PB))}") \
-            from None
+        raise ValueError(
+            f"unknown finish reason {reason!r}; known: {sorted(filter(None, FINISH_REASON_PB))}"
+        ) from None
 
 
 # ----- sampling ---------------------------------------------------------------------------------
 
-SAMPLING_PB_FIELDS: tuple[str, ...] = tuple(f.name for f in common_pb2.SamplingParams.DESCRIPTOR.fields)
+SAMPLING_PB_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in common_pb2.SamplingParams.DESCRIPTOR.fields
+)
 
 
 def sampling_values_from_pb(pb: common_pb2.SamplingParams) -> dict[str, Any]:
-    """The fields the caller set, by name: `optional` ones when present, repeated ones when non-empty
-    (as lists). Feed to `SamplingParams.from_dict`, which validates them."""
+    """The fields the caller set, by name: `optional` ones when present, repeated ones when
+    non-empty (as lists). Feed to `SamplingParams.from_dict`, which validates them."""
     values: dict[str, Any] = {}
     for field in pb.DESCRIPTOR.fields:
         if field.is_repeated:
@@ -80,15 +95,21 @@ def sampling_values_from_pb(pb: common_pb2.SamplingParams) -> dict[str, Any]:
 
 def _wire_scalar(field: FieldDescriptor, value: Any) -> Any:
     """int64 fields take uint64 values two's-complement wrapped (seeds up to 2**64 - 1)."""
-    if field.type in (FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_SINT64, FieldDescriptor.TYPE_SFIXED64) \
-            and isinstance(value, int) and value >= 1 << 63:
+    if (
+        field.type
+        in (FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_SINT64, FieldDescriptor.TYPE_SFIXED64)
+        and isinstance(value, int)
+        and value >= 1 << 63
+    ):
         return value - _INT64_WRAP
     return value
 
 
-def sampling_to_pb(params: SamplingParams, exclude: Collection[str] = ()) -> common_pb2.SamplingParams:
-    """The wire form of engine parameters: every proto field but `exclude` from the attribute of the same
-    name; a None attribute stays unset (the receiver's default)."""
+def sampling_to_pb(
+    params: SamplingParams, exclude: Collection[str] = ()
+) -> common_pb2.SamplingParams:
+    """The wire form of engine parameters: every proto field but `exclude` from the attribute of the
+    same name; a None attribute stays unset (the receiver's default)."""
     pb = common_pb2.SamplingParams()
     for field in pb.DESCRIPTOR.fields:
         if field.name in exclude:
@@ -105,8 +126,14 @@ def sampling_to_pb(params: SamplingParams, exclude: Collection[str] = ()) -> com
 
 # ----- token logprobs ----------------------------------------------------------------------------
 
-def token_logprob_pb(token_id: int, logprob: float | None = None,
-                     top: Sequence[tuple[int, float]] = ()) -> common_pb2.TokenLogprob:
-    """A chosen token with its logprob (None: not computed, sent as 0) and its top (token id, logprob)."""
-    return common_pb2.TokenLogprob(token_id=token_id, logprob=logprob or 0.0,
-                                   top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top])
+
+def token_logprob_pb(
+    token_id: int, logprob: float | None = None, top: Sequence[tuple[int, float]] = ()
+) -> common_pb2.TokenLogprob:
+    """A chosen token with its logprob (None: not computed, sent as 0) and its top (token id,
+    logprob)."""
+    return common_pb2.TokenLogprob(
+        token_id=token_id,
+        logprob=logprob or 0.0,
+        top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top],
+    )

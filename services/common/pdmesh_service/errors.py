@@ -1,5 +1,6 @@
 """Domain errors. Cores raise these; one interceptor maps them to gRPC status codes and the gateway
 maps them to HTTP statuses with the OpenAI error shape."""
+
 from __future__ import annotations
 
 
@@ -15,7 +16,9 @@ class MeshError(Exception):
     http_status = 500
     error_type = "internal_error"
 
-    def __init__(self, message: str = "", *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self, message: str = "", *, param: str | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.param, self.code = param, code
 
@@ -27,7 +30,7 @@ class InvalidArgument(MeshError, ValueError):
 class NotFound(MeshError, KeyError):
     grpc_code, http_status, error_type = "NOT_FOUND", 404, "not_found_error"
 
-    def __str__(self) -> str:       # KeyError quotes its message; we don't
+    def __str__(self) -> str:  # KeyError quotes its message; we don't
         return str(self.args[0]) if self.args else ""
 
 
@@ -36,7 +39,8 @@ class FailedPrecondition(MeshError):
 
 
 class Aborted(MeshError):
-    """A race was lost to another party (e.g. the decode reservation ended first); retry from the start."""
+    """A race was lost to another party (e.g. the decode reservation ended first); retry from the
+    start."""
 
     grpc_code, http_status, error_type = "ABORTED", 409, "conflict_error"
 

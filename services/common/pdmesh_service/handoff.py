@@ -1,18 +1,18 @@
-"""The KV hand-off record and its state machine, shared by decode, prefill and the kvstore; pure (no gRPC,
-Redis, NIXL or clock).
+"""The KV hand-off record and its state machine, shared by decode, prefill and the kvstore; pure (no
+gRPC, Redis, NIXL or clock).
 
-One hand-off per request: decode opens it RESERVED when it holds blocks; prefill moves it to TRANSFERRING
-(compare-and-set from RESERVED) right before its WRITE, and may not write otherwise; decode marks it READY
-once the KV is in its blocks and CONSUMED when it admits the request. EXPIRED and CANCELLED end it early.
-Terminal states (CONSUMED, EXPIRED, CANCELLED) never change again; only a new `open_handoff` under the same
-id (a retry) replaces a terminal record.
+One hand-off per request: decode opens it RESERVED when it holds blocks; prefill moves it to
+TRANSFERRING (compare-and-set from RESERVED) right before its WRITE, and may not write otherwise;
+decode marks it READY once the KV is in its blocks and CONSUMED when it admits the request. EXPIRED
+and CANCELLED end it early. Terminal states (CONSUMED, EXPIRED, CANCELLED) never change again; only
+a new `open_handoff` under the same id (a retry) replaces a terminal record.
 
     RESERVED     → TRANSFERRING | READY | CANCELLED | EXPIRED
     TRANSFERRING → READY | CANCELLED | EXPIRED
     READY        → CONSUMED | CANCELLED | EXPIRED
 
-The graph has no cycle, so "the state is still S" proves no transition happened since S was read (the
-store's compare-and-set relies on it). A move to the state the record is already in is a no-op.
+The graph has no cycle, so "the state is still S" proves no transition happened since S was read
+(the store's compare-and-set relies on it). A move to the state the record is already in is a no-op.
 `HandoffState` values are the `kvstore.v1.HandoffState` numbers.
 
 A caller's compare-and-set move (`kvstore_client.move_handoff`) ends in one `MoveOutcome`:
@@ -20,6 +20,7 @@ A caller's compare-and-set move (`kvstore_client.move_handoff`) ends in one `Mov
 `Missing` or `Unknown`; `may_be_written` and `kv_may_still_arrive` turn the state found into
 decode's decisions on its blocks.
 """
+
 from __future__ import annotations
 
 import enum
@@ -28,8 +29,8 @@ from typing import Any
 
 from pdmesh_service.errors import FailedPrecondition, InvalidArgument
 
-MAX_LEASE_MS = 2**32 - 1              # the wire field is a uint32
-DEFAULT_GRACE_MS = 30_000             # a live record outlives its lease by this much (see `ttl_ms`)
+MAX_LEASE_MS = 2**32 - 1  # the wire field is a uint32
+DEFAULT_GRACE_MS = 30_000  # a live record outlives its lease by this much (see `ttl_ms`)
 
 
 class HandoffState(enum.IntEnum):
@@ -47,10 +48,20 @@ class HandoffState(enum.IntEnum):
 
 TERMINAL = frozenset({HandoffState.CONSUMED, HandoffState.EXPIRED, HandoffState.CANCELLED})
 TRANSITIONS: dict[HandoffState, frozenset[HandoffState]] = {
-    HandoffState.RESERVED: frozenset({HandoffState.TRANSFERRING, HandoffState.READY, HandoffState.CANCELLED,
-                                      HandoffState.EXPIRED}),
-    HandoffState.TRANSFERRING: frozenset({HandoffState.READY, HandoffState.CANCELLED, HandoffState.EXPIRED}),
-    HandoffState.READY: frozenset({HandoffState.CONSUMED, HandoffState.CANCELLED, HandoffState.EXPIRED}),
+    HandoffState.RESERVED: frozenset(
+        {
+            HandoffState.TRANSFERRING,
+            HandoffState.READY,
+            HandoffState.CANCELLED,
+            HandoffState.EXPIRED,
+        }
+    ),
+    HandoffState.TRANSFERRING: frozenset(
+        {HandoffState.READY, HandoffState.CANCELLED, HandoffState.EXPIRED}
+    ),
+    HandoffState.READY: frozenset(
+        {HandoffState.CONSUMED, HandoffState.CANCELLED, HandoffState.EXPIRED}
+    ),
     HandoffState.CONSUMED: frozenset(),
     HandoffState.EXPIRED: frozenset(),
     HandoffState.CANCELLED: frozenset(),
@@ -58,7 +69,8 @@ TRANSITIONS: dict[HandoffState, frozenset[HandoffState]] = {
 
 
 def parse_state(value: int | str | HandoffState) -> HandoffState:
-    """A state from its number or name ("READY" or "HANDOFF_STATE_READY"); InvalidArgument otherwise."""
+    """A state from its number or name ("READY" or "HANDOFF_STATE_READY"); InvalidArgument
+    otherwise."""
     try:
         if isinstance(value, str):
             return HandoffState[value.removeprefix("HANDOFF_STATE_")]
@@ -71,7 +83,9 @@ def check_transition(old: HandoffState, new: HandoffState) -> None:
     """FailedPrecondition unless `old → new` is in TRANSITIONS."""
     if new not in TRANSITIONS[old]:
         allowed = ", ".join(s.name for s in sorted(TRANSITIONS[old])) or "nothing (final)"
-        raise FailedPrecondition(f"hand-off cannot go from {old.name} to {new.name} (allowed: {allowed})")
+        raise FailedPrecondition(
+            f"hand-off cannot go from {old.name} to {new.name} (allowed: {allowed})"
+        )
 
 
 @dataclass(frozen=True)
@@ -82,36 +96,61 @@ class Handoff:
     prefill_instance: str = ""
     num_blocks: int = 0
     lease_ms: int = 0
-    updated_ms: int = 0                   # wall clock, ms since the Unix epoch
+    updated_ms: int = 0  # wall clock, ms since the Unix epoch
 
     def to_fields(self) -> dict[str, str]:
         """The Redis hash form (all strings)."""
-        return {"request_id": self.request_id, "state": self.state.name, "decode_instance": self.decode_instance,
-                "prefill_instance": self.prefill_instance, "num_blocks": str(self.num_blocks),
-                "lease_ms": str(self.lease_ms), "updated_ms": str(self.updated_ms)}
+        return {
+            "request_id": self.request_id,
+            "state": self.state.name,
+            "decode_instance": self.decode_instance,
+            "prefill_instance": self.prefill_instance,
+            "num_blocks": str(self.num_blocks),
+            "lease_ms": str(self.lease_ms),
+            "updated_ms": str(self.updated_ms),
+        }
 
     @classmethod
-    def from_fields(cls, fields: dict[Any, Any]) -> "Handoff":
+    def from_fields(cls, fields: dict[Any, Any]) -> Handoff:
         """From a Redis hash (bytes or str keys and values)."""
-        f = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-             for k, v in fields.items()}
-        return cls(request_id=f["request_id"], state=HandoffState[f["state"]], decode_instance=f["decode_instance"],
-                   prefill_instance=f.get("prefill_instance", ""), num_blocks=int(f.get("num_blocks", 0)),
-                   lease_ms=int(f.get("lease_ms", 0)), updated_ms=int(f.get("updated_ms", 0)))
+        f = {
+            (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in fields.items()
+        }
+        return cls(
+            request_id=f["request_id"],
+            state=HandoffState[f["state"]],
+            decode_instance=f["decode_instance"],
+            prefill_instance=f.get("prefill_instance", ""),
+            num_blocks=int(f.get("num_blocks", 0)),
+            lease_ms=int(f.get("lease_ms", 0)),
+            updated_ms=int(f.get("updated_ms", 0)),
+        )
 
     def message_fields(self) -> dict[str, Any]:
         """Keyword arguments of `kvstore_pb2.Handoff` (its enum takes the same numbers)."""
-        return {"request_id": self.request_id, "state": int(self.state), "decode_instance": self.decode_instance,
-                "prefill_instance": self.prefill_instance, "num_blocks": self.num_blocks,
-                "lease_ms": self.lease_ms, "updated_ms": self.updated_ms}
+        return {
+            "request_id": self.request_id,
+            "state": int(self.state),
+            "decode_instance": self.decode_instance,
+            "prefill_instance": self.prefill_instance,
+            "num_blocks": self.num_blocks,
+            "lease_ms": self.lease_ms,
+            "updated_ms": self.updated_ms,
+        }
 
     @classmethod
-    def from_message(cls, msg: Any) -> "Handoff":
+    def from_message(cls, msg: Any) -> Handoff:
         """From a `kvstore_pb2.Handoff` (read by attribute, so this module needs no protobuf)."""
-        return cls(request_id=msg.request_id, state=parse_state(msg.state), decode_instance=msg.decode_instance,
-                   prefill_instance=msg.prefill_instance, num_blocks=msg.num_blocks, lease_ms=msg.lease_ms,
-                   updated_ms=msg.updated_ms)
-
+        return cls(
+            request_id=msg.request_id,
+            state=parse_state(msg.state),
+            decode_instance=msg.decode_instance,
+            prefill_instance=msg.prefill_instance,
+            num_blocks=msg.num_blocks,
+            lease_ms=msg.lease_ms,
+            updated_ms=msg.updated_ms,
+        )
 
 
 # ----- outcomes of a compare-and-set move (`pdmesh_service.kvstore_client.move_handoff`) -----
@@ -162,8 +201,13 @@ def state_found(outcome: MoveOutcome) -> HandoffState | None:
     return None
 
 
-def after_failed_move(found: Handoff, to: HandoffState, expected: tuple[HandoffState, ...],
-                      prefill_instance: str, maybe_applied: bool) -> MoveOutcome | None:
+def after_failed_move(
+    found: Handoff,
+    to: HandoffState,
+    expected: tuple[HandoffState, ...],
+    prefill_instance: str,
+    maybe_applied: bool,
+) -> MoveOutcome | None:
     """What a compare-and-set that failed (FailedPrecondition) means, given the record read right
     after it: None to try again from `found.state` (one of `expected`), else the outcome.
 

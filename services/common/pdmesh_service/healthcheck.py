@@ -6,6 +6,7 @@ else 1 with one line on stderr saying why (NOT_SERVING, unknown service, unreach
 Argument errors exit 2. What container HEALTHCHECKs and Kubernetes exec probes run: one channel,
 no more imported than grpc and the health stubs, so a probe stays cheap.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,7 +22,7 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 @dataclass(frozen=True)
 class HealthResult:
     is_serving: bool
-    reason: str          # one line: the status, or why there is none
+    reason: str  # one line: the status, or why there is none
 
 
 def check(address: str, service: str, timeout_s: float) -> HealthResult:
@@ -47,10 +48,12 @@ def check(address: str, service: str, timeout_s: float) -> HealthResult:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m pdmesh_service.healthcheck",
-        description="exit 0 when a gRPC health check answers SERVING, else 1")
+        description="exit 0 when a gRPC health check answers SERVING, else 1",
+    )
     parser.add_argument("--address", required=True, help="HOST:PORT of the gRPC server")
-    parser.add_argument("--service", default="",
-                        help="health service name, e.g. pdmesh.kvstore.v1.KVStore")
+    parser.add_argument(
+        "--service", default="", help="health service name, e.g. pdmesh.kvstore.v1.KVStore"
+    )
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
     parser.add_argument("--quiet", action="store_true", help="print nothing when SERVING")
     args = parser.parse_args(argv)

@@ -1,19 +1,21 @@
-"""What an instance rank tells the mesh about itself: its role, address, readiness and load (pure data).
+"""What an instance rank tells the mesh about itself: its role, address, readiness and load (pure
+data).
 
-`InstanceInfo` is the registry's record (`pdmesh_service.registry` stores it in Redis); its JSON form
-is written and read here only (`to_json` / `from_json`). Unknown JSON keys are ignored, so ranks of a
-newer release, which may report more, stay routable by an older gateway. No redis or grpc here: the
-gateway's pure router reads these types.
+`InstanceInfo` is the registry's record (`pdmesh_service.registry` stores it in Redis); its JSON
+form is written and read here only (`to_json` / `from_json`). Unknown JSON keys are ignored, so
+ranks of a newer release, which may report more, stay routable by an older gateway. No redis or grpc
+here: the gateway's pure router reads these types.
 """
+
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 
-class Role(str, Enum):
+class Role(StrEnum):
     """The kinds of process in a mesh (a str, so it compares and serialises as its value)."""
 
     GATEWAY = "gateway"
@@ -33,8 +35,8 @@ class Load:
     The gateway routes decode requests on `num_running + num_waiting`; the rest is for dashboards.
     """
 
-    num_running: int = 0                 # requests in the batch
-    num_waiting: int = 0                 # requests queued (for blocks, for their KV, for a batch slot)
+    num_running: int = 0  # requests in the batch
+    num_waiting: int = 0  # requests queued (for blocks, for their KV, for a batch slot)
     num_kv_blocks_used: int = 0
     num_kv_blocks_free: int = 0
     num_kv_bytes_sent: int = 0
@@ -42,7 +44,7 @@ class Load:
     num_transfer_failures: int = 0
     num_lease_expiries: int = 0
     num_kv_quarantines: int = 0
-    num_requests: int = 0                # admitted since start
+    num_requests: int = 0  # admitted since start
     num_expert_weight_bytes: int = 0
 
     @classmethod
@@ -54,24 +56,27 @@ class Load:
 
 @dataclass(frozen=True)
 class InstanceInfo:
-    """What an instance rank reports about itself. `role` is coerced to `Role` (ValueError if unknown)."""
+    """What an instance rank reports about itself. `role` is coerced to `Role` (ValueError if
+    unknown)."""
 
     instance_id: str
     role: Role
-    address: str                     # host:port of its gRPC server
-    rank: int = 0                    # DP rank inside its instance
+    address: str  # host:port of its gRPC server
+    rank: int = 0  # DP rank inside its instance
     dp_size: int = 1
     model: str = ""
     ready: bool = False
     stats: Load = field(default_factory=Load)
-    http_port: int = 0               # a gateway's OpenAI REST port; 0 for the other roles
+    http_port: int = 0  # a gateway's OpenAI REST port; 0 for the other roles
     updated_ms: int = 0
 
     def __post_init__(self) -> None:
         try:
             object.__setattr__(self, "role", Role(self.role))
         except ValueError:
-            raise ValueError(f"role must be one of {[r.value for r in Role]}, got {self.role!r}") from None
+            raise ValueError(
+                f"role must be one of {[r.value for r in Role]}, got {self.role!r}"
+            ) from None
         if not isinstance(self.stats, Load):
             raise ValueError(f"stats must be a Load, got {type(self.stats).__name__}")
 

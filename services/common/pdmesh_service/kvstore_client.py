@@ -11,12 +11,13 @@ errors (UNAVAILABLE, DEADLINE_EXCEEDED) by tenacity, with exponential jittered w
 `RetryPolicy.budget_s` for the whole move passes; the answer is a typed `handoff.MoveOutcome`, never
 an exception for the expected cases.
 """
+
 from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import grpc
 from google.protobuf.message import Message
@@ -50,8 +51,22 @@ from pdmesh_service.handoff import (
 
 _ERRORS: dict[grpc.StatusCode, type[MeshError]] = {
     grpc.StatusCode[cls.grpc_code]: cls
-    for cls in (InvalidArgument, NotFound, FailedPrecondition, Aborted, ResourceExhausted, Unavailable,
-                DeadlineExceeded)}
+    for cls in (
+        InvalidArgument,
+        NotFound,
+        FailedPrecondition,
+        Aborted,
+        ResourceExhausted,
+        Unavailable,
+        DeadlineExceeded,
+    )
+}
+
+
+def _state_pb(state: HandoffState | int | str) -> kvstore_pb2.HandoffState:
+    """The wire value of a state (the proto enum takes HandoffState's numbers). The generated stubs
+    type the enum as a subclass of int, while its values are plain ints: the cast only retypes."""
+    return cast(kvstore_pb2.HandoffState, int(parse_state(state)))
 
 
 def domain_error(error: grpc.aio.AioRpcError) -> MeshError:
@@ -65,19 +80,26 @@ class KVStoreClient:
         self.address, self.timeout_s, self.agent_cache_s = address, timeout_s, agent_cache_s
         self._channel = channel(address)
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
-        self._agents: dict[str, tuple[float, bytes]] = {}      # name -> (monotonic time fetched, metadata)
+        # name -> (monotonic time fetched, metadata)
+        self._agents: dict[str, tuple[float, bytes]] = {}
 
-    async def _call(self, method: Callable[..., Awaitable[Any]], request: Message,
-                    request_id: str = "") -> Any:
+    async def _call(
+        self, method: Callable[..., Awaitable[Any]], request: Message, request_id: str = ""
+    ) -> Any:
         try:
-            return await method(request, timeout=self.timeout_s,
-                                metadata=request_metadata(request_id) if request_id else None)
+            return await method(
+                request,
+                timeout=self.timeout_s,
+                metadata=request_metadata(request_id) if request_id else None,
+            )
         except grpc.aio.AioRpcError as e:
             raise domain_error(e) from None
 
     async def register_agent(self, name: str, metadata: bytes, instance_id: str) -> None:
-        await self._call(self._stub.RegisterAgent,
-                         kvstore_pb2.AgentInfo(agent_name=name, metadata=metadata, instance_id=instance_id))
+        await self._call(
+            self._stub.RegisterAgent,
+            kvstore_pb2.AgentInfo(agent_name=name, metadata=metadata, instance_id=instance_id),
+        )
         self._agents.pop(name, None)
 
     async def get_agent(self, name: str) -> bytes:
@@ -93,19 +115,31 @@ class KVStoreClient:
     def forget_agent(self, name: str) -> None:
         self._agents.pop(name, None)
 
-    async def open_handoff(self, request_id: str, decode_instance: str, num_blocks: int, lease_ms: int) -> Handoff:
-        request = kvstore_pb2.OpenHandoffRequest(request_id=request_id, decode_instance=decode_instance,
-                                                 num_blocks=num_blocks, lease_ms=lease_ms)
+    async def open_handoff(
+        self, request_id: str, decode_instance: str, num_blocks: int, lease_ms: int
+    ) -> Handoff:
+        request = kvstore_pb2.OpenHandoffRequest(
+            request_id=request_id,
+            decode_instance=decode_instance,
+            num_blocks=num_blocks,
+            lease_ms=lease_ms,
+        )
         return Handoff.from_message(await self._call(self._stub.OpenHandoff, request, request_id))
 
-    async def update_handoff(self, request_id: str, state: HandoffState | int | str, prefill_instance: str = "",
-                             expected: HandoffState | int | str | None = None) -> Handoff:
-        """`state`: a HandoffState, its proto number (kvstore_pb2.HANDOFF_STATE_*) or its name. With `expected`
-        a compare-and-set: FailedPrecondition unless the record is in that state now."""
-        request = kvstore_pb2.UpdateHandoffRequest(request_id=request_id, state=int(parse_state(state)),
-                                                   prefill_instance=prefill_instance)
+    async def update_handoff(
+        self,
+        request_id: str,
+        state: HandoffState | int | str,
+        prefill_instance: str = "",
+        expected: HandoffState | int | str | None = None,
+    ) -> Handoff:
+        """`state`: a HandoffState, its proto number (kvstore_pb2.HANDOFF_STATE_*) or its name. With
+        `expected` a compare-and-set: FailedPrecondition unless the record is in that state now."""
+        request = kvstore_pb2.UpdateHandoffRequest(
+            request_id=request_id, state=_state_pb(state), prefill_instance=prefill_instance
+        )
         if expected is not None:
-            request.expected_state = int(parse_state(expected))
+            request.expected_state = _state_pb(expected)
         return Handoff.from_message(await self._call(self._stub.UpdateHandoff, request, request_id))
 
     async def get_handoff(self, request_id: str) -> Handoff:
@@ -119,14 +153,19 @@ class KVStoreClient:
 # ----- compare-and-set moves of a hand-off record -----
 # retried; an update that failed so may have applied
 TRANSIENT: tuple[type[MeshError], ...] = (Unavailable, DeadlineExceeded)
-_MAX_MOVES = 4                      # > the longest path in the state graph
+_MAX_MOVES = 4  # > the longest path in the state graph
 
 
 class HandoffRecords(Protocol):
     """What a move needs of the kvstore (`KVStoreClient`, or a store in the same process)."""
 
-    async def update_handoff(self, request_id: str, state: HandoffState, prefill_instance: str = "",
-                             expected: HandoffState | None = None) -> object: ...
+    async def update_handoff(
+        self,
+        request_id: str,
+        state: HandoffState,
+        prefill_instance: str = "",
+        expected: HandoffState | None = None,
+    ) -> object: ...
 
     async def get_handoff(self, request_id: str) -> Handoff: ...
 
@@ -159,14 +198,20 @@ class _Attempts:
             return time.monotonic() >= self.deadline
 
         wait = wait_random_exponential(self.policy.initial_wait_s, self.policy.max_wait_s)
-        return AsyncRetrying(retry=retry_if_exception_type(TRANSIENT), stop=out_of_time, wait=wait,
-                             reraise=True)
+        return AsyncRetrying(
+            retry=retry_if_exception_type(TRANSIENT), stop=out_of_time, wait=wait, reraise=True
+        )
 
     async def update(self, to: HandoffState, prefill_instance: str, expected: HandoffState) -> None:
         retrying = self._retrying()
         try:
-            await retrying(self.records.update_handoff, self.request_id, to, prefill_instance,
-                           expected=expected)
+            await retrying(
+                self.records.update_handoff,
+                self.request_id,
+                to,
+                prefill_instance,
+                expected=expected,
+            )
         finally:
             self.maybe_applied |= retrying.statistics.get("attempt_number", 1) > 1
 
@@ -175,9 +220,14 @@ class _Attempts:
         return record
 
 
-async def move_handoff(records: HandoffRecords, request_id: str, to: HandoffState,
-                       expected: tuple[HandoffState, ...], prefill_instance: str = "",
-                       policy: RetryPolicy = RetryPolicy()) -> MoveOutcome:
+async def move_handoff(
+    records: HandoffRecords,
+    request_id: str,
+    to: HandoffState,
+    expected: tuple[HandoffState, ...],
+    prefill_instance: str = "",
+    policy: RetryPolicy = RetryPolicy(),
+) -> MoveOutcome:
     """Move the hand-off to `to` by compare-and-set from whichever of the live states `expected`
     it is in (tried in that order; after a lost race, from the state read back).
 
@@ -193,9 +243,10 @@ async def move_handoff(records: HandoffRecords, request_id: str, to: HandoffStat
                 await attempts.update(to, prefill_instance, state)
                 return Moved(state)
             except FailedPrecondition:
-                found = await attempts.get()       # not in `state` (any more): read where it is
-            outcome = after_failed_move(found, to, expected, prefill_instance,
-                                        attempts.maybe_applied)
+                found = await attempts.get()  # not in `state` (any more): read where it is
+            outcome = after_failed_move(
+                found, to, expected, prefill_instance, attempts.maybe_applied
+            )
             if outcome is not None:
                 return outcome
             state = found.state
@@ -209,23 +260,43 @@ async def move_handoff(records: HandoffRecords, request_id: str, to: HandoffStat
 LIVE = (HandoffState.RESERVED, HandoffState.TRANSFERRING, HandoffState.READY)
 
 
-async def end_handoff(records: HandoffRecords, request_id: str, state: HandoffState,
-                      policy: RetryPolicy = RetryPolicy()) -> HandoffState | None:
+async def end_handoff(
+    records: HandoffRecords,
+    request_id: str,
+    state: HandoffState,
+    policy: RetryPolicy = RetryPolicy(),
+) -> HandoffState | None:
     """Move a live hand-off to `state` (EXPIRED/CANCELLED), first from RESERVED, else from wherever
     it is. Returns the state it was ended from; for a record already final, that final state;
     None when unknown (kvstore unreachable, record gone, kept changing): assume the worst."""
     return state_found(await move_handoff(records, request_id, state, LIVE, policy=policy))
 
 
-async def expire_handoff(records: HandoffRecords, request_id: str,
-                         policy: RetryPolicy = RetryPolicy()) -> HandoffState | None:
+async def expire_handoff(
+    records: HandoffRecords, request_id: str, policy: RetryPolicy = RetryPolicy()
+) -> HandoffState | None:
     """Move a hand-off RESERVED → EXPIRED, and only from there (a prefill rank that claimed it
     keeps it). Returns RESERVED when this ended it, else the state found; None when unknown."""
-    outcome = await move_handoff(records, request_id, HandoffState.EXPIRED,
-                                 (HandoffState.RESERVED,), policy=policy)
+    outcome = await move_handoff(
+        records, request_id, HandoffState.EXPIRED, (HandoffState.RESERVED,), policy=policy
+    )
     return state_found(outcome)
 
 
-__all__ = ["LIVE", "TRANSIENT", "AlreadyFinal", "Elsewhere", "HandoffRecords", "KVStoreClient",
-           "Missing", "MoveOutcome", "Moved", "RetryPolicy", "Unknown", "domain_error",
-           "end_handoff", "expire_handoff", "move_handoff"]
+__all__ = [
+    "LIVE",
+    "TRANSIENT",
+    "AlreadyFinal",
+    "Elsewhere",
+    "HandoffRecords",
+    "KVStoreClient",
+    "Missing",
+    "MoveOutcome",
+    "Moved",
+    "RetryPolicy",
+    "Unknown",
+    "domain_error",
+    "end_handoff",
+    "expire_handoff",
+    "move_handoff",
+]

@@ -1,32 +1,48 @@
 """structlog JSON logs on stderr, with the request id bound per task (contextvars)."""
+
 from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 
 import structlog
+from structlog.typing import EventDict, WrappedLogger
 
 
 def configure_logging(service: str, level: str = "INFO", json: bool = True) -> None:
     """Call once at process start (server.py)."""
-    renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
+    renderer = (
+        structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
+    )
     structlog.configure(
-        processors=[structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
-                    structlog.processors.TimeStamper(fmt="iso", utc=True), _add_service(service),
-                    structlog.processors.format_exc_info, renderer],
-        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper(), logging.INFO)),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr), cache_logger_on_first_use=True)
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            _add_service(service),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(
+            getattr(logging, level.upper(), logging.INFO)
+        ),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=True,
+    )
 
 
-def _add_service(service: str):
-    def add(_logger, _method, event: dict) -> dict:
+def _add_service(service: str) -> Callable[[WrappedLogger, str, EventDict], EventDict]:
+    def add(_logger: WrappedLogger, _method: str, event: EventDict) -> EventDict:
         event.setdefault("service", service)
         return event
+
     return add
 
 
 def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
-    return structlog.get_logger(name)
+    logger: structlog.typing.FilteringBoundLogger = structlog.get_logger(name)
+    return logger
 
 
 def bind_request_id(request_id: str) -> None:

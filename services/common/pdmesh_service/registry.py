@@ -1,9 +1,10 @@
 """Service registry in Redis: one key per instance rank, refreshed by heartbeats, gone on silence.
 
-Key: `pdmesh:{deployment}:instance:{instance_id}` → JSON of `InstanceInfo` (`pdmesh_service.instance`,
-re-exported here with `Load` and `Role`), with a TTL a few times the heartbeat interval, so an instance
-that stops heartbeating drops out of routing by itself.
+Key: `pdmesh:{deployment}:instance:{instance_id}` → JSON of `InstanceInfo`
+(`pdmesh_service.instance`, re-exported here with `Load` and `Role`), with a TTL a few times the
+heartbeat interval, so an instance that stops heartbeating drops out of routing by itself.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +18,16 @@ import redis.asyncio as aioredis
 from pdmesh_service.instance import InstanceInfo, Load, Role
 from pdmesh_service.logging import get_logger
 
-__all__ = ["InstanceInfo", "Load", "Registry", "Role", "connect", "heartbeat_forever", "namespace", "stay_registered"]
+__all__ = [
+    "InstanceInfo",
+    "Load",
+    "Registry",
+    "Role",
+    "connect",
+    "heartbeat_forever",
+    "namespace",
+    "stay_registered",
+]
 log = get_logger(__name__)
 
 
@@ -41,11 +51,15 @@ class Registry:
 
     async def instances(self, role: Role | None = None) -> list[InstanceInfo]:
         """Live instances (optionally of one role), sorted by id."""
-        keys = [k async for k in self.client.scan_iter(match=f"{self.prefix}:instance:*", count=200)]
+        keys = [
+            k async for k in self.client.scan_iter(match=f"{self.prefix}:instance:*", count=200)
+        ]
         if not keys:
             return []
         found = [InstanceInfo.from_json(v) for v in await self.client.mget(keys) if v is not None]
-        return sorted((i for i in found if role is None or i.role == role), key=lambda i: i.instance_id)
+        return sorted(
+            (i for i in found if role is None or i.role == role), key=lambda i: i.instance_id
+        )
 
 
 async def _reported(report: Callable[[], Awaitable[InstanceInfo] | InstanceInfo]) -> InstanceInfo:
@@ -53,8 +67,12 @@ async def _reported(report: Callable[[], Awaitable[InstanceInfo] | InstanceInfo]
     return info if isinstance(info, InstanceInfo) else await info
 
 
-async def heartbeat_forever(registry: Registry, report: Callable[[], Awaitable[InstanceInfo] | InstanceInfo],
-                            interval_s: float = 1.0, ttl_s: float = 3.0) -> None:
+async def heartbeat_forever(
+    registry: Registry,
+    report: Callable[[], Awaitable[InstanceInfo] | InstanceInfo],
+    interval_s: float = 1.0,
+    ttl_s: float = 3.0,
+) -> None:
     """Publish `report()` every interval until cancelled; Redis hiccups are logged, not fatal."""
     while True:
         try:
@@ -64,9 +82,14 @@ async def heartbeat_forever(registry: Registry, report: Callable[[], Awaitable[I
         await asyncio.sleep(interval_s)
 
 
-async def stay_registered(stack: contextlib.AsyncExitStack, registry: Registry,
-                          report: Callable[[], Awaitable[InstanceInfo] | InstanceInfo], heartbeat_s: float) -> None:
-    """Heartbeat `report()` (TTL: three beats) until `stack` closes, which stops the beat and removes the entry."""
+async def stay_registered(
+    stack: contextlib.AsyncExitStack,
+    registry: Registry,
+    report: Callable[[], Awaitable[InstanceInfo] | InstanceInfo],
+    heartbeat_s: float,
+) -> None:
+    """Heartbeat `report()` (TTL: three beats) until `stack` closes, which stops the beat and
+    removes the entry."""
     info = await _reported(report)
     stack.push_async_callback(registry.remove, info.instance_id)
     await registry.publish(info, 3 * heartbeat_s)

@@ -1,4 +1,6 @@
-"""Background tasks that nobody awaits but that must not be garbage-collected or lost at shutdown."""
+"""Background tasks that nobody awaits but that must not be garbage-collected or lost at
+shutdown."""
+
 from __future__ import annotations
 
 import asyncio

@@ -1,4 +1,6 @@
-"""`python -m pdmesh_decode [options]`: what the decode container runs (same options as `pdmesh serve decode`)."""
+"""`python -m pdmesh_decode [options]`: what the decode container runs (same options as `pdmesh
+serve decode`)."""
+
 import sys
 
 from pdmesh_decode import server

@@ -2,30 +2,33 @@
 
 One reservation, start to end (every decision is `core.decide`; this class carries the actions out):
 
-    Reserve  → `reserve`: the engine holds blocks (HELD) → kvstore `open_handoff` (RESERVED) → the lease
-               starts (PUBLISHED) → block ids, owned by the reservation until it is admitted, dropped or
-               cancelled
+    Reserve  → `reserve`: the engine holds blocks (HELD) → kvstore `open_handoff` (RESERVED) → the
+               lease starts (PUBLISHED) → block ids, owned by the reservation until it is
+               admitted, dropped or cancelled
     NIXL notification (engine thread, `poll`) → KV_ARRIVED → kvstore READY
-    Decode   → `admit`: DECODE_CALLED; with both in, ADMIT: the engine takes the request and its blocks
-               (`EngineCore.kv_arrived`) → kvstore CONSUMED → the Decode call gets its stream
-    deadline (engine thread, `poll`) → DEADLINE → ASK_KVSTORE: RESERVED → EXPIRED (`expire_handoff`) →
-               KV_MAY_ARRIVE (claimed: wait until the cap) or KV_WONT_ARRIVE (DROP); at the cap,
+    Decode   → `admit`: DECODE_CALLED; with both in, ADMIT: the engine takes the request and its
+               blocks (`EngineCore.kv_arrived`) → kvstore CONSUMED → the Decode call gets its
+               stream
+    deadline (engine thread, `poll`) → DEADLINE → ASK_KVSTORE: RESERVED → EXPIRED (`expire_handoff`)
+               → KV_MAY_ARRIVE (claimed: wait until the cap) or KV_WONT_ARRIVE (DROP); at the cap,
                END_CLAIMED: claimed → EXPIRED → KV_WONT_ARRIVE (DROP: blocks freed, the call fails)
-    Cancel / caller gone → `abort` (engine thread) → CANCELLED → FREE, END_AND_FREE or QUARANTINE; the
-               record is ended CANCELLED (`end_handoff`) and the state it was ended from says whether
-               quarantined blocks go back at once (`handoff.may_be_written`); `cancel` answers after that
+    Cancel / caller gone → `abort` (engine thread) → CANCELLED → FREE, END_AND_FREE or QUARANTINE;
+               the record is ended CANCELLED (`end_handoff`) and the state it was ended from says
+               whether quarantined blocks go back at once (`handoff.may_be_written`); `cancel`
+               answers after that
 
 Threads: methods named `_on_*` and the `EngineRole` hooks (`is_busy`, `poll`, `take`, `abort`,
 `fail_all`) run in the engine thread and are the only ones that touch the engine, the book and the
-quarantine; they hand kvstore work to the event loop with `loop.post`. The coroutines talk to the kvstore
-(compare-and-set with bounded retries, `kvstore_client.move_handoff`) and bring its answers back with
-`loop.submit`. A kvstore answer carries the reservation's serial, so it never applies to a later
-reservation under the same id.
+quarantine; they hand kvstore work to the event loop with `loop.post`. The coroutines talk to the
+kvstore (compare-and-set with bounded retries, `kvstore_client.move_handoff`) and bring its answers
+back with `loop.submit`. A kvstore answer carries the reservation's serial, so it never applies to a
+later reservation under the same id.
 
-Quarantine: the blocks of a reservation cancelled while a WRITE may still land stay out of the pool until
-the WRITE's notification arrives, the kvstore says none can land, or `cap_s` passes; its request id cannot
-be reserved again meanwhile (Unavailable).
+Quarantine: the blocks of a reservation cancelled while a WRITE may still land stay out of the pool
+until the WRITE's notification arrives, the kvstore says none can land, or `cap_s` passes; its
+request id cannot be reserved again meanwhile (Unavailable).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -65,56 +68,75 @@ _CLAIMED = (HandoffState.TRANSFERRING, HandoffState.READY)
 class HandoffStore(HandoffRecords, Protocol):
     """What the connector needs of the kvstore (`KVStoreClient`)."""
 
-    async def open_handoff(self, request_id: str, decode_instance: str, num_blocks: int,
-                           lease_ms: int) -> object: ...
+    async def open_handoff(
+        self, request_id: str, decode_instance: str, num_blocks: int, lease_ms: int
+    ) -> object: ...
 
 
 class DecodeConnector:
-    def __init__(self, loop: EngineLoop, agent: KVTransferAgent, kvstore: HandoffStore, instance_id: str,
-                 cap_s: float = DEFAULT_QUARANTINE_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        loop: EngineLoop,
+        agent: KVTransferAgent,
+        kvstore: HandoffStore,
+        instance_id: str,
+        cap_s: float = DEFAULT_QUARANTINE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.loop, self.agent, self.kvstore, self.instance_id = loop, agent, kvstore, instance_id
         self.cap_s, self.clock = cap_s, clock
         self.book = ReservationBook()
-        self.quarantine = LeaseTable()      # cancelled reservations whose blocks a WRITE may still land in → cap
-        self._waiters: dict[str, tuple[asyncio.Future[RequestStream], RequestStream]] = {}   # Decode calls
+        # cancelled reservations whose blocks a WRITE may still land in → cap
+        self.quarantine = LeaseTable()
+        # Decode calls
+        self._waiters: dict[str, tuple[asyncio.Future[RequestStream], RequestStream]] = {}
         self._serials = itertools.count(1)
         self._background = Background()
-        self._ending: dict[str, asyncio.Task[Any]] = {}     # records being ended CANCELLED, for `cancel`
+        # records being ended CANCELLED, for `cancel`
+        self._ending: dict[str, asyncio.Task[Any]] = {}
         self._reports: asyncio.Queue[tuple[str, HandoffState, HandoffState]] | None = None
 
     # ----- event loop: what the servicer calls -----
-    async def reserve(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                      lease_ms: int) -> list[int]:
+    async def reserve(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, lease_ms: int
+    ) -> list[int]:
         """Hold blocks, open the hand-off, start the lease; the block ids to write the KV into.
-        ResourceExhausted (pool short), Unavailable (id quarantined, kvstore down, aborted meanwhile)."""
+        ResourceExhausted (pool short), Unavailable (id quarantined, kvstore down, aborted
+        meanwhile)."""
         try:
             blocks: list[int]
-            blocks, serial = await self.loop.submit(self._on_reserve, list(prompt_ids), params, request_id,
-                                                    lease_ms / 1000.0)
+            blocks, serial = await self.loop.submit(
+                self._on_reserve, list(prompt_ids), params, request_id, lease_ms / 1000.0
+            )
             await self._open_handoff(request_id, len(blocks), lease_ms)
             if not await self.loop.submit(self._on_publish, request_id, serial):
                 await self._move(request_id, HandoffState.CANCELLED, (HandoffState.RESERVED,))
-                raise Unavailable(f"the reservation of request {request_id} was aborted while it was being made")
+                raise Unavailable(
+                    f"the reservation of request {request_id} was aborted while it was being made"
+                )
             return blocks
         except asyncio.CancelledError:
             self.loop.abort_soon(request_id)
             raise
 
     async def admit(self, request_id: str, first_token_id: int | None) -> RequestStream:
-        """Wait for the KV, then admit; the stream carries the tokens after the first. DeadlineExceeded if the
-        reservation is dropped first, NotFound if there is none, FailedPrecondition for a second call."""
+        """Wait for the KV, then admit; the stream carries the tokens after the first.
+        DeadlineExceeded if the reservation is dropped first, NotFound if there is none,
+        FailedPrecondition for a second call."""
         try:
-            stream: RequestStream = await self.loop.submit(self._on_call, request_id, first_token_id,
-                                                           deferred=True)
+            stream: RequestStream = await self.loop.submit(
+                self._on_call, request_id, first_token_id, deferred=True
+            )
             return stream
         except asyncio.CancelledError:
             self.loop.abort_soon(request_id)
             raise
 
     async def cancel(self, request_id: str) -> bool:
-        """Abort the request; for a reservation, answer once its record is ended and its blocks settled."""
+        """Abort the request; for a reservation, answer once its record is ended and its blocks
+        settled."""
         found = await self.loop.abort(request_id)
-        ending = self._ending.get(request_id)     # posted before the abort's answer: known here
+        ending = self._ending.get(request_id)  # posted before the abort's answer: known here
         if ending is not None:
             await asyncio.shield(ending)
         return found
@@ -135,21 +157,25 @@ class DecodeConnector:
         for request_id in self.book.due(now):
             reservation = self.book.get(request_id)
             if reservation is not None and reservation.state is ReservationState.PUBLISHED:
-                self.loop.metrics.lease_expired()       # the lease, not the cap
+                self.loop.metrics.lease_expired()  # the lease, not the cap
             self._carry_out(self.book.apply(request_id, ReservationEvent.DEADLINE, now))
         for request_id in self.quarantine.expired(now):
-            log.warning("quarantine cap passed without the KV notification; blocks freed", request_id=request_id)
+            log.warning(
+                "quarantine cap passed without the KV notification; blocks freed",
+                request_id=request_id,
+            )
             self.loop.engine.abort(request_id)
 
     def take(self, output: StepOutput) -> bool:
         return False
 
     def abort(self, request_id: str) -> tuple[bool, bool]:
-        """(found, the connector frees or quarantines the blocks itself); quarantined blocks stay."""
+        """(found, the connector frees or quarantines the blocks itself); quarantined blocks
+        stay."""
         if request_id not in self.book:
             return False, request_id in self.quarantine
         waiter = self._waiters.pop(request_id, None)
-        if waiter is not None:            # the Decode call ends with an aborted chunk
+        if waiter is not None:  # the Decode call ends with an aborted chunk
             future, stream = waiter
             self.loop.post(feed, [(stream, stream.aborted_output())])
             self.loop.post(settle, future, stream)
@@ -165,58 +191,88 @@ class DecodeConnector:
         return set(self.quarantine.request_ids())
 
     # ----- engine thread: commands and events -----
-    def _on_reserve(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                    lease_s: float) -> tuple[list[int], int]:
+    def _on_reserve(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, lease_s: float
+    ) -> tuple[list[int], int]:
         if request_id in self.quarantine:
-            raise Unavailable(f"request id {request_id!r} is quarantined here (a KV write into its previous "
-                              "blocks may still land); reserve it on another rank or later")
+            raise Unavailable(
+                f"request id {request_id!r} is quarantined here (a KV write into its previous "
+                "blocks may still land); reserve it on another rank or later"
+            )
         blocks = self.loop.engine.reserve(prompt_ids, params, request_id)
         if blocks is None:
-            raise ResourceExhausted(f"not enough free KV blocks for a {len(prompt_ids)}-token prompt")
+            raise ResourceExhausted(
+                f"not enough free KV blocks for a {len(prompt_ids)}-token prompt"
+            )
         serial = next(self._serials)
-        self.book.add(Reservation(request_id, len(blocks), len(prompt_ids), lease_s, self.cap_s, serial))
+        self.book.add(
+            Reservation(request_id, len(blocks), len(prompt_ids), lease_s, self.cap_s, serial)
+        )
         self.loop.metrics.request_taken()
         return blocks, serial
 
     def _on_publish(self, request_id: str, serial: int) -> bool:
-        """Start the lease; False if the reservation is gone (aborted while its record was opened)."""
+        """Start the lease; False if the reservation is gone (aborted while its record was
+        opened)."""
         if not self._is_current(request_id, serial):
             return False
         self._carry_out(self.book.apply(request_id, ReservationEvent.PUBLISHED, self.clock()))
         return True
 
-    def _on_call(self, future: asyncio.Future[RequestStream], request_id: str, first_token_id: int | None) -> None:
-        decision = self.book.apply(request_id, ReservationEvent.DECODE_CALLED, self.clock(), first_token_id)
+    def _on_call(
+        self, future: asyncio.Future[RequestStream], request_id: str, first_token_id: int | None
+    ) -> None:
+        decision = self.book.apply(
+            request_id, ReservationEvent.DECODE_CALLED, self.clock(), first_token_id
+        )
         reservation = decision.reservation
-        self._waiters[request_id] = (future, RequestStream(request_id, reservation.num_prompt_tokens))
+        self._waiters[request_id] = (
+            future,
+            RequestStream(request_id, reservation.num_prompt_tokens),
+        )
         self._carry_out(decision)
 
     def _on_kv(self, request_id: str) -> None:
-        if self.quarantine.remove(request_id):       # the late WRITE landed: nothing can write there any more
-            log.info("KV of an ended reservation arrived; quarantined blocks freed", request_id=request_id)
+        # the late WRITE landed: nothing can write there any more
+        if self.quarantine.remove(request_id):
+            log.info(
+                "KV of an ended reservation arrived; quarantined blocks freed",
+                request_id=request_id,
+            )
             self.loop.engine.abort(request_id)
             return
         reservation = self.book.get(request_id)
         if reservation is None or Arrived.KV in reservation.arrived:
-            log.warning("KV notification for no waiting reservation (expired or aborted)", request_id=request_id)
+            log.warning(
+                "KV notification for no waiting reservation (expired or aborted)",
+                request_id=request_id,
+            )
             return
-        layout = self.agent.layout                   # the WRITE filled every layer of the reserved blocks
-        self.loop.metrics.kv_received(reservation.num_blocks * layout.num_layers * layout.block_bytes)
+        layout = self.agent.layout  # the WRITE filled every layer of the reserved blocks
+        self.loop.metrics.kv_received(
+            reservation.num_blocks * layout.num_layers * layout.block_bytes
+        )
         self._report(request_id, HandoffState.READY, HandoffState.TRANSFERRING)
         self._carry_out(self.book.apply(request_id, ReservationEvent.KV_ARRIVED, self.clock()))
 
     def _on_answer(self, request_id: str, serial: int, event: ReservationEvent) -> None:
-        """The kvstore answered ASK_KVSTORE or END_CLAIMED (ignored if the reservation moved on meanwhile)."""
+        """The kvstore answered ASK_KVSTORE or END_CLAIMED (ignored if the reservation moved on
+        meanwhile)."""
         if not self._is_current(request_id, serial):
             return
         self._carry_out(self.book.apply(request_id, event, self.clock()))
 
     def _on_ended(self, request_id: str, ended_from: HandoffState | None) -> None:
         """A QUARANTINE's record is ended: free the blocks unless a WRITE may still land in them."""
-        if may_be_written(ended_from):       # counted even if the KV landed meanwhile (the blocks were kept)
+        # counted even if the KV landed meanwhile (the blocks were kept)
+        if may_be_written(ended_from):
             self.loop.metrics.kv_quarantined()
-            log.warning("reservation ended while a KV write into it may be in flight; blocks quarantined",
-                        request_id=request_id, still_held=request_id in self.quarantine, cap_s=self.cap_s)
+            log.warning(
+                "reservation ended while a KV write into it may be in flight; blocks quarantined",
+                request_id=request_id,
+                still_held=request_id in self.quarantine,
+                cap_s=self.cap_s,
+            )
         elif self.quarantine.remove(request_id):
             self.loop.engine.abort(request_id)
 
@@ -231,13 +287,20 @@ class DecodeConnector:
         if action is LeaseAction.ADMIT:
             self._admit(reservation)
         elif action is LeaseAction.WAIT and reservation.state is ReservationState.EXTENDED:
-            log.info("lease ran out while the KV is on its way; waiting up to the cap", request_id=request_id,
-                     cap_s=self.cap_s, kv_ready=Arrived.KV in reservation.arrived)
+            log.info(
+                "lease ran out while the KV is on its way; waiting up to the cap",
+                request_id=request_id,
+                cap_s=self.cap_s,
+                kv_ready=Arrived.KV in reservation.arrived,
+            )
         elif action is LeaseAction.ASK_KVSTORE:
             self.loop.post(self._spawn, self._expire, request_id, serial)
         elif action is LeaseAction.END_CLAIMED:
-            log.warning("the KV did not arrive within the cap; dropping the request", request_id=request_id,
-                        cap_s=self.cap_s)
+            log.warning(
+                "the KV did not arrive within the cap; dropping the request",
+                request_id=request_id,
+                cap_s=self.cap_s,
+            )
             self.loop.post(self._spawn, self._lapse, request_id, serial)
         elif action is LeaseAction.DROP:
             self._drop(reservation)
@@ -253,7 +316,7 @@ class DecodeConnector:
         request_id = reservation.request_id
         future, stream = self._waiters.pop(request_id)
         output = self.loop.engine.kv_arrived(request_id, reservation.first_token_id)
-        if output is not None:            # the first token already ended the request
+        if output is not None:  # the first token already ended the request
             self.loop.post(feed, [(stream, output)])
         else:
             self.loop.attach(stream)
@@ -265,8 +328,15 @@ class DecodeConnector:
         request_id = reservation.request_id
         waiter = self._waiters.pop(request_id, None)
         if waiter is not None:
-            self.loop.post(settle, waiter[0], None, DeadlineExceeded(
-                f"the KV of request {request_id} did not arrive within its lease (or the cap, once claimed)"))
+            self.loop.post(
+                settle,
+                waiter[0],
+                None,
+                DeadlineExceeded(
+                    f"the KV of request {request_id} did not arrive within its lease (or the cap, "
+                    "once claimed)"
+                ),
+            )
         self.loop.engine.abort(request_id)
 
     def _report(self, request_id: str, state: HandoffState, expected: HandoffState) -> None:
@@ -279,7 +349,9 @@ class DecodeConnector:
     def _start_end(self, request_id: str, quarantined: bool) -> None:
         task = self._background.spawn(self._end(request_id, quarantined))
         self._ending[request_id] = task
-        task.add_done_callback(lambda t: self._ending.pop(request_id) if self._ending.get(request_id) is t else None)
+        task.add_done_callback(
+            lambda t: self._ending.pop(request_id) if self._ending.get(request_id) is t else None
+        )
 
     async def _end(self, request_id: str, quarantined: bool) -> None:
         ended_from = await end_handoff(self.kvstore, request_id, HandoffState.CANCELLED)
@@ -290,12 +362,14 @@ class DecodeConnector:
         claimed = kv_may_still_arrive(await expire_handoff(self.kvstore, request_id))
         event = ReservationEvent.KV_MAY_ARRIVE if claimed else ReservationEvent.KV_WONT_ARRIVE
         if not claimed:
-            log.warning("reservation lease expired before any prefill claimed it", request_id=request_id)
+            log.warning(
+                "reservation lease expired before any prefill claimed it", request_id=request_id
+            )
         await self._answer(self._on_answer, request_id, serial, event)
 
     async def _lapse(self, request_id: str, serial: int) -> None:
-        # Only from the claimed states: a RESERVED record would be a retry's (the gateway retries once the
-        # reservation is dropped, which is why it is dropped only after this).
+        # Only from the claimed states: a RESERVED record would be a retry's (the gateway retries
+        # once the reservation is dropped, which is why it is dropped only after this).
         await self._move(request_id, HandoffState.EXPIRED, _CLAIMED)
         await self._answer(self._on_answer, request_id, serial, ReservationEvent.KV_WONT_ARRIVE)
 
@@ -305,20 +379,27 @@ class DecodeConnector:
         except Exception as e:  # noqa: BLE001 - the engine stopped: its blocks are gone with it
             log.warning("cannot apply a kvstore answer", answer=on_engine.__name__, error=str(e))
 
-    async def _move(self, request_id: str, to: HandoffState, expected: tuple[HandoffState, ...]) -> None:
+    async def _move(
+        self, request_id: str, to: HandoffState, expected: tuple[HandoffState, ...]
+    ) -> None:
         """A best-effort move (the record lapses by itself if it fails); its outcome is logged."""
         outcome = await move_handoff(self.kvstore, request_id, to, expected)
         if not isinstance(outcome, Moved):
-            log.info("hand-off not moved", request_id=request_id, state=to.name, outcome=repr(outcome))
+            log.info(
+                "hand-off not moved", request_id=request_id, state=to.name, outcome=repr(outcome)
+            )
 
     def _queue_report(self, request_id: str, state: HandoffState, expected: HandoffState) -> None:
-        """READY and CONSUMED go to the kvstore one at a time, in the order the engine thread saw them."""
+        """READY and CONSUMED go to the kvstore one at a time, in the order the engine thread saw
+        them."""
         if self._reports is None:
             self._reports = asyncio.Queue()
             self._background.spawn(self._send_reports(self._reports))
         self._reports.put_nowait((request_id, state, expected))
 
-    async def _send_reports(self, reports: asyncio.Queue[tuple[str, HandoffState, HandoffState]]) -> None:
+    async def _send_reports(
+        self, reports: asyncio.Queue[tuple[str, HandoffState, HandoffState]]
+    ) -> None:
         while True:
             request_id, state, expected = await reports.get()
             await self._move(request_id, state, (expected,))

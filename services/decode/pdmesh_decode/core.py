@@ -13,18 +13,20 @@ A reservation holds blocks for a prompt whose KV a prefill rank writes. Its life
 - HELD: blocks held, hand-off not open yet: no prefill rank can know the blocks, no lease runs.
 - PUBLISHED: the hand-off is open and the target handed out; the lease runs (`lease_s`).
 - EXPIRING: the lease ran out before the KV; the kvstore is asked to move RESERVED → EXPIRED.
-- EXTENDED: a prefill rank had claimed the hand-off (or the KV is in): it waits past its lease until the
-  cap (`cap_s`), once.
+- EXTENDED: a prefill rank had claimed the hand-off (or the KV is in): it waits past its lease until
+  the cap (`cap_s`), once.
 - LAPSING: the cap passed too; the claimed record is ended EXPIRED, then the reservation is dropped.
 
-What has arrived (`Arrived`: the KV notification, the Decode call with the first token) is not part of
-the lifecycle: a live reservation is admitted as soon as both are in, in either order.
+What has arrived (`Arrived`: the KV notification, the Decode call with the first token) is not part
+of the lifecycle: a live reservation is admitted as soon as both are in, in either order.
 
-`decide(reservation, event, now)` is the whole policy: it returns a `Decision` (the reservation after the
-event, a `LeaseAction` for the caller to carry out, and the deadline that action starts) and raises
-FailedPrecondition for an event the state does not allow. `ReservationBook` applies decisions to the live
-reservations and keeps their deadlines. Times are whatever monotonic clock the caller passes in.
+`decide(reservation, event, now)` is the whole policy: it returns a `Decision` (the reservation
+after the event, a `LeaseAction` for the caller to carry out, and the deadline that action starts)
+and raises FailedPrecondition for an event the state does not allow. `ReservationBook` applies
+decisions to the live reservations and keeps their deadlines. Times are whatever monotonic clock the
+caller passes in.
 """
+
 from __future__ import annotations
 
 import enum
@@ -50,7 +52,8 @@ class ReservationState(enum.Enum):
         return not TRANSITIONS[self]
 
 
-_LIVE_ENDS = frozenset({ReservationState.ADMITTED, ReservationState.CANCELLED})    # from every live state
+# from every live state
+_LIVE_ENDS = frozenset({ReservationState.ADMITTED, ReservationState.CANCELLED})
 TRANSITIONS: dict[ReservationState, frozenset[ReservationState]] = {
     ReservationState.HELD: _LIVE_ENDS | {ReservationState.PUBLISHED},
     ReservationState.PUBLISHED: _LIVE_ENDS | {ReservationState.EXPIRING, ReservationState.EXTENDED},
@@ -64,13 +67,14 @@ TRANSITIONS: dict[ReservationState, frozenset[ReservationState]] = {
 
 
 class ReservationEvent(enum.Enum):
-    PUBLISHED = "published"            # the hand-off is open: the lease starts
-    KV_ARRIVED = "kv_arrived"          # the NIXL notification: the KV is in the blocks
-    DECODE_CALLED = "decode_called"    # the Decode call, with the first token (or None: recompute it)
-    DEADLINE = "deadline"              # the lease (or the cap) ran out
-    KV_MAY_ARRIVE = "kv_may_arrive"    # kvstore: a prefill rank claimed the hand-off (or no answer)
-    KV_WONT_ARRIVE = "kv_wont_arrive"  # kvstore: none did, or the claimed record was ended: no WRITE can land
-    CANCELLED = "cancelled"            # aborted before admission (Cancel, the Decode caller went away)
+    PUBLISHED = "published"  # the hand-off is open: the lease starts
+    KV_ARRIVED = "kv_arrived"  # the NIXL notification: the KV is in the blocks
+    DECODE_CALLED = "decode_called"  # the Decode call, with the first token (or None: recompute it)
+    DEADLINE = "deadline"  # the lease (or the cap) ran out
+    KV_MAY_ARRIVE = "kv_may_arrive"  # kvstore: a prefill rank claimed the hand-off (or no answer)
+    # kvstore: none did, or the claimed record was ended: no WRITE can land
+    KV_WONT_ARRIVE = "kv_wont_arrive"
+    CANCELLED = "cancelled"  # aborted before admission (Cancel, the Decode caller went away)
 
 
 class Arrived(enum.Flag):
@@ -83,16 +87,19 @@ class Arrived(enum.Flag):
 class LeaseAction(enum.Enum):
     """What the caller does after an event (block ownership: who frees the blocks, and when)."""
 
-    WAIT = "wait"                  # keep the blocks until `Decision.until` (a lease or the cap starts)
-    KEEP = "keep"                  # nothing changes: one input arrived, the other is missing
-    ADMIT = "admit"                # both are in: the engine takes the request (and its blocks); CONSUMED
-    ASK_KVSTORE = "ask_kvstore"    # move the record RESERVED → EXPIRED; the answer is KV_MAY/WONT_ARRIVE
-    END_CLAIMED = "end_claimed"    # end the claimed record EXPIRED; then KV_WONT_ARRIVE
-    DROP = "drop"                  # free the blocks now; a waiting Decode call fails (DeadlineExceeded)
-    FREE = "free"                  # cancelled, nobody knew the blocks: free them now
-    END_AND_FREE = "end_and_free"  # cancelled, KV in (no WRITE can follow): free now, end the record
-    QUARANTINE = "quarantine"      # cancelled, a WRITE may land: end the record; the blocks stay out of the
-                                   # pool until the WRITE lands, the record says none can, or `until`
+    WAIT = "wait"  # keep the blocks until `Decision.until` (a lease or the cap starts)
+    KEEP = "keep"  # nothing changes: one input arrived, the other is missing
+    ADMIT = "admit"  # both are in: the engine takes the request (and its blocks); CONSUMED
+    # move the record RESERVED → EXPIRED; the answer is KV_MAY/WONT_ARRIVE
+    ASK_KVSTORE = "ask_kvstore"
+    END_CLAIMED = "end_claimed"  # end the claimed record EXPIRED; then KV_WONT_ARRIVE
+    DROP = "drop"  # free the blocks now; a waiting Decode call fails (DeadlineExceeded)
+    FREE = "free"  # cancelled, nobody knew the blocks: free them now
+    # cancelled, KV in (no WRITE can follow): free now, end the record
+    END_AND_FREE = "end_and_free"
+    # cancelled, a WRITE may land: end the record; the blocks stay out of the
+    QUARANTINE = "quarantine"
+    # pool until the WRITE lands, the record says none can, or `until`
 
 
 @dataclass(frozen=True)
@@ -100,33 +107,39 @@ class Reservation:
     request_id: str
     num_blocks: int
     num_prompt_tokens: int
-    lease_s: float                  # how long it waits for its KV once published
-    cap_s: float                    # how long past the lease once claimed; also the quarantine cap
-    serial: int = 0                 # tells it from an earlier reservation under the same id
+    lease_s: float  # how long it waits for its KV once published
+    cap_s: float  # how long past the lease once claimed; also the quarantine cap
+    serial: int = 0  # tells it from an earlier reservation under the same id
     state: ReservationState = ReservationState.HELD
     arrived: Arrived = Arrived.NOTHING
-    first_token_id: int | None = None    # from the Decode call (None: decode recomputes it)
+    first_token_id: int | None = None  # from the Decode call (None: decode recomputes it)
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.num_prompt_tokens < 1:
-            raise ValueError(f"a reservation needs blocks and a prompt, got {self.num_blocks}, "
-                             f"{self.num_prompt_tokens}")
+            raise ValueError(
+                f"a reservation needs blocks and a prompt, got {self.num_blocks}, "
+                f"{self.num_prompt_tokens}"
+            )
         if not (self.lease_s > 0 and self.cap_s > 0):
-            raise ValueError(f"lease_s and cap_s must be positive, got {self.lease_s}, {self.cap_s}")
+            raise ValueError(
+                f"lease_s and cap_s must be positive, got {self.lease_s}, {self.cap_s}"
+            )
 
 
 @dataclass(frozen=True)
 class Decision:
-    reservation: Reservation       # after the event
+    reservation: Reservation  # after the event
     action: LeaseAction
-    until: float | None = None     # the deadline WAIT or QUARANTINE starts
+    until: float | None = None  # the deadline WAIT or QUARANTINE starts
 
 
 def check_move(old: ReservationState, new: ReservationState) -> None:
     """FailedPrecondition unless `old → new` is in TRANSITIONS."""
     if new not in TRANSITIONS[old]:
         allowed = ", ".join(sorted(s.name for s in TRANSITIONS[old])) or "nothing (final)"
-        raise FailedPrecondition(f"a reservation cannot go from {old.name} to {new.name} (allowed: {allowed})")
+        raise FailedPrecondition(
+            f"a reservation cannot go from {old.name} to {new.name} (allowed: {allowed})"
+        )
 
 
 def _moved(reservation: Reservation, state: ReservationState) -> Reservation:
@@ -134,11 +147,15 @@ def _moved(reservation: Reservation, state: ReservationState) -> Reservation:
     return replace(reservation, state=state)
 
 
-def decide(reservation: Reservation, event: ReservationEvent, now: float,
-           first_token_id: int | None = None) -> Decision:
-    """The reservation after `event` at `now` and what to do (`first_token_id`: DECODE_CALLED's token)."""
+def decide(
+    reservation: Reservation, event: ReservationEvent, now: float, first_token_id: int | None = None
+) -> Decision:
+    """The reservation after `event` at `now` and what to do (`first_token_id`: DECODE_CALLED's
+    token)."""
     if reservation.state.is_final:
-        raise FailedPrecondition(f"reservation {reservation.request_id!r} is {reservation.state.name}")
+        raise FailedPrecondition(
+            f"reservation {reservation.request_id!r} is {reservation.state.name}"
+        )
     if event is ReservationEvent.PUBLISHED:
         published = _moved(reservation, ReservationState.PUBLISHED)
         return Decision(published, LeaseAction.WAIT, now + reservation.lease_s)
@@ -155,7 +172,7 @@ def decide(reservation: Reservation, event: ReservationEvent, now: float,
 
 def _arrived(reservation: Reservation, what: Arrived, first_token_id: int | None) -> Decision:
     if what in reservation.arrived:
-        if what is Arrived.KV:          # a repeated notification changes nothing
+        if what is Arrived.KV:  # a repeated notification changes nothing
             return Decision(reservation, LeaseAction.KEEP)
         raise FailedPrecondition(f"request {reservation.request_id!r} is already being decoded")
     after = replace(reservation, arrived=reservation.arrived | what, first_token_id=first_token_id)
@@ -165,8 +182,8 @@ def _arrived(reservation: Reservation, what: Arrived, first_token_id: int | None
 
 
 def _deadline(reservation: Reservation, now: float) -> Decision:
-    """The lease: the KV is in (only the call is missing) → wait until the cap; else ask the kvstore. The cap:
-    end the claimed record, then drop."""
+    """The lease: the KV is in (only the call is missing) → wait until the cap; else ask the
+    kvstore. The cap: end the claimed record, then drop."""
     if reservation.state is ReservationState.PUBLISHED:
         if Arrived.KV in reservation.arrived:
             extended = _moved(reservation, ReservationState.EXTENDED)
@@ -178,11 +195,16 @@ def _deadline(reservation: Reservation, now: float) -> Decision:
 
 
 def _kvstore_answered(reservation: Reservation, event: ReservationEvent, now: float) -> Decision:
-    """EXPIRING asked whether a prefill rank claimed it; LAPSING ended the claimed record (→ KV_WONT_ARRIVE)."""
-    asked = {ReservationEvent.KV_MAY_ARRIVE: (ReservationState.EXPIRING,),
-             ReservationEvent.KV_WONT_ARRIVE: (ReservationState.EXPIRING, ReservationState.LAPSING)}[event]
+    """EXPIRING asked whether a prefill rank claimed it; LAPSING ended the claimed record (→
+    KV_WONT_ARRIVE)."""
+    asked = {
+        ReservationEvent.KV_MAY_ARRIVE: (ReservationState.EXPIRING,),
+        ReservationEvent.KV_WONT_ARRIVE: (ReservationState.EXPIRING, ReservationState.LAPSING),
+    }[event]
     if reservation.state not in asked:
-        raise FailedPrecondition(f"{event.name} answers nothing a {reservation.state.name} reservation asked")
+        raise FailedPrecondition(
+            f"{event.name} answers nothing a {reservation.state.name} reservation asked"
+        )
     if event is ReservationEvent.KV_MAY_ARRIVE:
         extended = _moved(reservation, ReservationState.EXTENDED)
         return Decision(extended, LeaseAction.WAIT, now + reservation.cap_s)
@@ -199,11 +221,12 @@ def _cancelled(reservation: Reservation, now: float) -> Decision:
 
 
 class LeaseTable:
-    """request id → deadline; `expired(now)` pops every entry whose deadline is at or before `now`."""
+    """request id → deadline; `expired(now)` pops every entry whose deadline is at or before
+    `now`."""
 
     def __init__(self) -> None:
         self._deadlines: dict[str, float] = {}
-        self._heap: list[tuple[float, str]] = []      # may hold stale entries; `_deadlines` decides
+        self._heap: list[tuple[float, str]] = []  # may hold stale entries; `_deadlines` decides
 
     def add(self, request_id: str, deadline: float) -> None:
         self._deadlines[request_id] = deadline
@@ -235,9 +258,9 @@ class LeaseTable:
 
 
 class ReservationBook:
-    """The live reservations by request id; `leases` holds the deadline of each one that waits. Invariant: a
-    deadline runs only in the states a WAIT leaves (PUBLISHED, EXTENDED), so DEADLINE is legal for every id
-    `due` returns."""
+    """The live reservations by request id; `leases` holds the deadline of each one that waits.
+    Invariant: a deadline runs only in the states a WAIT leaves (PUBLISHED, EXTENDED), so DEADLINE
+    is legal for every id `due` returns."""
 
     def __init__(self) -> None:
         self.leases = LeaseTable()
@@ -251,13 +274,21 @@ class ReservationBook:
             raise ValueError(f"a new reservation is HELD, got {reservation.state.name}")
         self._items[reservation.request_id] = reservation
 
-    def apply(self, request_id: str, event: ReservationEvent, now: float,
-              first_token_id: int | None = None) -> Decision:
-        """`decide` on the live reservation of `request_id` and keep the result: a final one leaves the book,
-        a WAIT starts its deadline, any other move stops the one that ran. NotFound for an unknown id."""
+    def apply(
+        self,
+        request_id: str,
+        event: ReservationEvent,
+        now: float,
+        first_token_id: int | None = None,
+    ) -> Decision:
+        """`decide` on the live reservation of `request_id` and keep the result: a final one leaves
+        the book, a WAIT starts its deadline, any other move stops the one that ran. NotFound for an
+        unknown id."""
         reservation = self._items.get(request_id)
         if reservation is None:
-            raise NotFound(f"no reservation for request {request_id!r} (never reserved, expired or aborted)")
+            raise NotFound(
+                f"no reservation for request {request_id!r} (never reserved, expired or aborted)"
+            )
         decision = decide(reservation, event, now, first_token_id)
         after = decision.reservation
         if after.state.is_final:
@@ -272,7 +303,8 @@ class ReservationBook:
         return decision
 
     def due(self, now: float) -> list[str]:
-        """Ids whose deadline passed at or before `now` (each then gets DEADLINE; no deadline runs meanwhile)."""
+        """Ids whose deadline passed at or before `now` (each then gets DEADLINE; no deadline runs
+        meanwhile)."""
         return [r for r in self.leases.expired(now) if r in self._items]
 
     def pop(self, request_id: str) -> Reservation | None:

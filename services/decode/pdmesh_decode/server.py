@@ -1,4 +1,5 @@
 """`pdmesh serve decode`: a decode rank (wiring only; see `worker.runtime.run_worker`)."""
+
 from __future__ import annotations
 
 import argparse
@@ -33,10 +34,11 @@ class DecodeConfig:
     common: CommonConfig
     model_dir: Path
     engine: EngineConfig
-    kvstore: str = ""            # host:port of the kvstore; empty: find it in the registry
-    lease_ms: int = 10000        # default reservation lease
-    kv_quarantine_s: float = DEFAULT_QUARANTINE_S   # cap on holding blocks a late KV write may land in
-    dep: DEPOptions = DEPOptions()                  # --dep N: N rank processes (see worker.dep_instance)
+    kvstore: str = ""  # host:port of the kvstore; empty: find it in the registry
+    lease_ms: int = 10000  # default reservation lease
+    # cap on holding blocks a late KV write may land in
+    kv_quarantine_s: float = DEFAULT_QUARANTINE_S
+    dep: DEPOptions = DEPOptions()  # --dep N: N rank processes (see worker.dep_instance)
 
     def __post_init__(self) -> None:
         if not 0 < self.lease_ms < 2**32:
@@ -50,34 +52,62 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_options(parser)
     add_dep_arguments(parser)
     g = parser.add_argument_group("decode")
-    g.add_argument("--kvstore", default="", help="kvstore address host:port (default: from the registry)")
-    g.add_argument("--lease-ms", type=int, default=10000, help="how long reserved blocks wait for their KV")
-    g.add_argument("--kv-quarantine-s", type=float, default=DEFAULT_QUARANTINE_S,
-                   help="at most this long, blocks of an ended reservation whose KV write may still land stay "
-                        "out of the pool (freed as soon as the write's notification arrives)")
+    g.add_argument(
+        "--kvstore", default="", help="kvstore address host:port (default: from the registry)"
+    )
+    g.add_argument(
+        "--lease-ms", type=int, default=10000, help="how long reserved blocks wait for their KV"
+    )
+    g.add_argument(
+        "--kv-quarantine-s",
+        type=float,
+        default=DEFAULT_QUARANTINE_S,
+        help="at most this long, blocks of an ended reservation whose KV write may still land stay "
+        "out of the pool (freed as soon as the write's notification arrives)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> DecodeConfig:
     dep = dep_from_args(args)
-    return DecodeConfig(rank_common(common_from_args(args), ROLE, dep), resolve_model(args.model), engine_config(args),
-                        args.kvstore, args.lease_ms, args.kv_quarantine_s, dep)
+    return DecodeConfig(
+        rank_common(common_from_args(args), ROLE, dep),
+        resolve_model(args.model),
+        engine_config(args),
+        args.kvstore,
+        args.lease_ms,
+        args.kv_quarantine_s,
+        dep,
+    )
 
 
 def build_worker(config: DecodeConfig) -> Callable[[WorkerParts], Worker[DecodeServicer]]:
     """The connector (the engine loop's role) and the servicer over it, from a rank's parts."""
+
     def build(parts: WorkerParts) -> Worker[DecodeServicer]:
-        connector = DecodeConnector(parts.engine, parts.agent, parts.kvstore, parts.instance_id,
-                                    config.kv_quarantine_s)
-        target = common_pb2.KVTarget(agent_name=parts.agent.name, layout=layout_to_pb(parts.agent.layout),
-                                     instance_id=parts.instance_id)
-        return Worker(connector, DecodeServicer(parts.engine, connector, parts.instance_id, target, config.lease_ms))
+        connector = DecodeConnector(
+            parts.engine, parts.agent, parts.kvstore, parts.instance_id, config.kv_quarantine_s
+        )
+        target = common_pb2.KVTarget(
+            agent_name=parts.agent.name,
+            layout=layout_to_pb(parts.agent.layout),
+            instance_id=parts.instance_id,
+        )
+        return Worker(
+            connector,
+            DecodeServicer(parts.engine, connector, parts.instance_id, target, config.lease_ms),
+        )
+
     return build
 
 
 async def serve(config: DecodeConfig, ready: asyncio.Event | None = None) -> None:
     """Serve until cancelled; `ready` is set once the rank takes requests."""
-    spec = WorkerSpec(ROLE, SERVICE_NAME, build_worker(config), decode_pb2_grpc.add_DecodeServicer_to_server)
-    await run_worker(spec, config.common, config.model_dir, config.engine, config.kvstore, ready, config.dep)
+    spec = WorkerSpec(
+        ROLE, SERVICE_NAME, build_worker(config), decode_pb2_grpc.add_DecodeServicer_to_server
+    )
+    await run_worker(
+        spec, config.common, config.model_dir, config.engine, config.kvstore, ready, config.dep
+    )
 
 
 def supervise(role: str, argv: list[str], config: DecodeConfig) -> int:

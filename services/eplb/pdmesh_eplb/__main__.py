@@ -1,4 +1,6 @@
-"""`python -m pdmesh_eplb [options]`: what the eplb container runs (same options as `pdmesh serve eplb`)."""
+"""`python -m pdmesh_eplb [options]`: what the eplb container runs (same options as `pdmesh serve
+eplb`)."""
+
 import sys
 
 from pdmesh_eplb import server

@@ -5,8 +5,10 @@
 
 Holds no state that correctness needs: versions, history and the Off switches live in Redis, so a
 restarted controller continues at V + 1. Rebalances of one process run one at a time (a lock); two
-processes cannot fork a version (the compare-and-set). Planning runs in a thread: the RPCs stay served.
+processes cannot fork a version (the compare-and-set). Planning runs in a thread: the RPCs stay
+served.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +27,16 @@ log = get_logger(__name__)
 
 
 class Balancer:
-    def __init__(self, redis: aioredis.Redis, deployment: str, policy: Policy, metrics: EplbMetrics, *,
-                 default_enabled: bool = True, clock_ms: Callable[[], int] | None = None) -> None:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        deployment: str,
+        policy: Policy,
+        metrics: EplbMetrics,
+        *,
+        default_enabled: bool = True,
+        clock_ms: Callable[[], int] | None = None,
+    ) -> None:
         self.redis, self.deployment, self.policy, self.metrics = redis, deployment, policy, metrics
         self.default_enabled = default_enabled
         self.clock_ms = clock_ms or (lambda: int(time.time() * 1000))
@@ -38,38 +48,53 @@ class Balancer:
         return ModelView(instance, model, tuple(reports), placement)
 
     async def is_enabled(self, instance: str) -> bool:
-        return bool(await proto.is_enabled(self.redis, self.deployment, instance, self.default_enabled))
+        return bool(
+            await proto.is_enabled(self.redis, self.deployment, instance, self.default_enabled)
+        )
 
     async def set_enabled(self, instance: str, on: bool) -> None:
         await proto.set_enabled(self.redis, self.deployment, instance, on)
 
-    async def rebalance(self, instance: str, model: str, reason: RebalanceReason,
-                        force: bool = False) -> RebalanceRecord | Skip:
+    async def rebalance(
+        self, instance: str, model: str, reason: RebalanceReason, force: bool = False
+    ) -> RebalanceRecord | Skip:
         """Plan and publish the next version of (instance, model), or say why not."""
         async with self._lock:
             view = await self.view(instance, model)
             is_enabled = await self.is_enabled(instance) if reason == "interval" else True
             started = time.perf_counter()
-            decision = await asyncio.to_thread(decide, view, self.policy, reason, is_enabled=is_enabled,
-                                               force=force)
+            decision = await asyncio.to_thread(
+                decide, view, self.policy, reason, is_enabled=is_enabled, force=force
+            )
             plan_ms = (time.perf_counter() - started) * 1000.0
             if isinstance(decision, Skip):
                 return decision
             now_ms = self.clock_ms()
             record = decision.record(now_ms, plan_ms)
-            if not await proto.write_placement(self.redis, self.deployment, decision.placement(now_ms),
-                                               view.version, record):
-                return Skip(f"version {decision.version} was published by another controller meanwhile")
+            if not await proto.write_placement(
+                self.redis, self.deployment, decision.placement(now_ms), view.version, record
+            ):
+                return Skip(
+                    f"version {decision.version} was published by another controller meanwhile"
+                )
         self.metrics.published(record)
         self.metrics.observe(instance, model, record.version, None)
-        log.info("placement published", instance=instance, model=model, version=record.version,
-                 reason=reason, slots_moved=record.num_slots_moved, before=record.balancedness_before,
-                 after=record.balancedness_after, plan_ms=record.plan_ms)
+        log.info(
+            "placement published",
+            instance=instance,
+            model=model,
+            version=record.version,
+            reason=reason,
+            slots_moved=record.num_slots_moved,
+            before=record.balancedness_before,
+            after=record.balancedness_after,
+            plan_ms=record.plan_ms,
+        )
         return record
 
     async def poll_once(self) -> dict[tuple[str, str], RebalanceRecord | Skip]:
-        """One periodic pass over every tracked (instance, model); what happened to each. A malformed
-        report of one pair (a rank of another release) skips that pair, not the pass."""
+        """One periodic pass over every tracked (instance, model); what happened to each. A
+        malformed report of one pair (a rank of another release) skips that pair, not the pass."""
         outcomes: dict[tuple[str, str], RebalanceRecord | Skip] = {}
         for instance, model in await proto.tracked(self.redis, self.deployment):
             try:
@@ -80,33 +105,37 @@ class Balancer:
         return outcomes
 
     async def run(self, poll_s: float) -> None:
-        """`poll_once` every `poll_s` until cancelled; Redis hiccups and unreadable records are logged,
-        not fatal (the loop must outlive them: it is the controller)."""
+        """`poll_once` every `poll_s` until cancelled; Redis hiccups and unreadable records are
+        logged, not fatal (the loop must outlive them: it is the controller)."""
         while True:
             try:
                 await self.poll_once()
-                await self.status()                # refreshes the gauges
+                await self.status()  # refreshes the gauges
             except (aioredis.RedisError, OSError, ValueError, TypeError, KeyError) as e:
                 log.warning("eplb poll failed", error=repr(e))
             await asyncio.sleep(poll_s)
 
     async def status(self) -> list[EplbSummary]:
-        """Every tracked (instance, model), sorted; refreshes the balancedness and version gauges."""
+        """Every tracked (instance, model), sorted; refreshes the balancedness and version
+        gauges."""
         found = await proto.summarize_all(self.redis, self.deployment, self.default_enabled)
         for s in found:
             self.metrics.observe(s.instance, s.model, s.version, s.balancedness)
         return found
 
-    async def placement(self, instance: str, model: str,
-                        version: int = 0) -> tuple[Placement | None, list[RebalanceRecord]]:
+    async def placement(
+        self, instance: str, model: str, version: int = 0
+    ) -> tuple[Placement | None, list[RebalanceRecord]]:
         """Version `version` (0: the current one; the identity layout when none was written and the
         ranks report their shape) and the history, newest first. None when unknown."""
-        found = await proto.read_placement(self.redis, self.deployment, instance, model,
-                                           None if version == 0 else version)
+        found = await proto.read_placement(
+            self.redis, self.deployment, instance, model, None if version == 0 else version
+        )
         if found is None and version == 0:
             reports = await proto.read_loads(self.redis, self.deployment, instance, model)
             if reports:
                 r = reports[0]
-                found = proto.identity_placement(instance, model, r.dp_size, r.num_layers, r.num_slots,
-                                                 r.num_logical)
+                found = proto.identity_placement(
+                    instance, model, r.dp_size, r.num_layers, r.num_slots, r.num_logical
+                )
         return found, await proto.read_history(self.redis, self.deployment, instance, model)

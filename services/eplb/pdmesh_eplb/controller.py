@@ -1,12 +1,15 @@
 """The controller's policy core: one (instance, model)'s reports and placement in, a decision out.
 
-    ModelView(reports, placement) → window_of() → Window (logical loads [L, E] under the current version)
+    ModelView(reports, placement) → window_of() → Window (logical loads [L, E] under the current
+    version)
       → decide(view, policy, reason, ...) → Rebalance(plan, gains, moves) | Skip(why)
 
-Pure: no Redis, no clock, no logging. Steps come from the ranks' reports (`step`, `switch_step`), the
-time of day from the caller. Everything it needs is in Redis, so a restarted controller decides the same.
-Shapes: L MoE layers, E logical experts, P = E + S physical slots, R ranks; slot s on rank s // (P / R).
+Pure: no Redis, no clock, no logging. Steps come from the ranks' reports (`step`, `switch_step`),
+the time of day from the caller. Everything it needs is in Redis, so a restarted controller decides
+the same. Shapes: L MoE layers, E logical experts, P = E + S physical slots, R ranks; slot s on rank
+s // (P / R).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -28,15 +31,17 @@ from pdmesh_service.eplb_protocol import (
 class Policy:
     """When to rebalance (vLLM's terms) and how much may move."""
 
-    window_steps: int = 1000        # W: the loads cover the last W steps; >= W run on a version first
-    step_interval: int = 3000       # steps a version runs before the next periodic rebalance
-    min_gain: float = 0.01          # least rise in window balancedness worth a new version
-    move_budget: float = 0.2        # fraction of slots per layer one rebalance may rewrite
+    window_steps: int = 1000  # W: the loads cover the last W steps; >= W run on a version first
+    step_interval: int = 3000  # steps a version runs before the next periodic rebalance
+    min_gain: float = 0.01  # least rise in window balancedness worth a new version
+    move_budget: float = 0.2  # fraction of slots per layer one rebalance may rewrite
 
     def __post_init__(self) -> None:
         if self.window_steps < 1 or self.step_interval < 1:
-            raise ValueError(f"--eplb-window-steps and --eplb-step-interval must be >= 1, "
-                             f"got {self.window_steps} and {self.step_interval}")
+            raise ValueError(
+                f"--eplb-window-steps and --eplb-step-interval must be >= 1, "
+                f"got {self.window_steps} and {self.step_interval}"
+            )
         if not 0.0 <= self.min_gain <= 1.0:
             raise ValueError(f"--eplb-min-gain must be in [0, 1], got {self.min_gain}")
         if not 0.0 < self.move_budget <= 1.0:
@@ -45,12 +50,13 @@ class Policy:
 
 @dataclass(frozen=True)
 class ModelView:
-    """What Redis holds for one (instance, model): live reports (any order) and the current placement."""
+    """What Redis holds for one (instance, model): live reports (any order) and the current
+    placement."""
 
     instance: str
     model: str
     reports: tuple[LoadReport, ...]
-    placement: Placement | None     # None: version 0, the checkpoint's identity placement
+    placement: Placement | None  # None: version 0, the checkpoint's identity placement
 
     @property
     def version(self) -> int:
@@ -66,15 +72,15 @@ class ModelView:
 class Window:
     """The instance's loads under the current version: the sum over the ranks that run it."""
 
-    placement: Placement            # the current one (identity for version 0)
-    loads: np.ndarray               # [L, E] float64 tokens per logical expert
+    placement: Placement  # the current one (identity for version 0)
+    loads: np.ndarray  # [L, E] float64 tokens per logical expert
     num_ranks: int
     num_redundant: int
     num_nodes: int
-    num_ranks_reporting: int        # ranks on the current version whose counts are summed
-    window_steps: int               # min over those ranks
-    steps_since_switch: int         # min over those ranks
-    expert_bytes: int               # bytes of one expert (0: unknown)
+    num_ranks_reporting: int  # ranks on the current version whose counts are summed
+    window_steps: int  # min over those ranks
+    steps_since_switch: int  # min over those ranks
+    expert_bytes: int  # bytes of one expert (0: unknown)
 
     @property
     def previous(self) -> np.ndarray:
@@ -113,14 +119,26 @@ class Rebalance:
 
     def placement(self, created_ms: int) -> Placement:
         current = self.window.placement
-        return Placement(current.instance, current.model, self.version, self.plan.num_ranks,
-                         self.plan.physical_to_logical.tolist(), created_ms)
+        return Placement(
+            current.instance,
+            current.model,
+            self.version,
+            self.plan.num_ranks,
+            self.plan.physical_to_logical.tolist(),
+            created_ms,
+        )
 
     def record(self, created_ms: int, plan_ms: float) -> RebalanceRecord:
-        return RebalanceRecord(self.version, created_ms, self.reason, self.num_slots_moved,
-                               self.num_slots_moved * self.window.expert_bytes,
-                               round(self.balancedness_before, 6), round(self.balancedness_after, 6),
-                               round(plan_ms, 3))
+        return RebalanceRecord(
+            self.version,
+            created_ms,
+            self.reason,
+            self.num_slots_moved,
+            self.num_slots_moved * self.window.expert_bytes,
+            round(self.balancedness_before, 6),
+            round(self.balancedness_after, 6),
+            round(plan_ms, 3),
+        )
 
 
 Decision = Rebalance | Skip
@@ -135,8 +153,10 @@ def _check_shapes(reports: Sequence[LoadReport], placement: Placement | None) ->
     if placement is not None:
         shape = (placement.num_ranks, placement.num_layers, placement.num_slots)
         if shape != (num_ranks, num_layers, num_slots):
-            return f"reports (R, L, P) {(num_ranks, num_layers, num_slots)} differ from version " \
-                   f"{placement.version}'s {shape}"
+            return (
+                f"reports (R, L, P) {(num_ranks, num_layers, num_slots)} differ from version "
+                f"{placement.version}'s {shape}"
+            )
         if max(max(row) for row in placement.physical_to_logical) >= num_logical:
             return f"version {placement.version} names an expert >= E = {num_logical}"
     return ""
@@ -151,10 +171,12 @@ def logical_loads(slot_counts: np.ndarray, p2l: np.ndarray, num_logical: int) ->
 
 
 def window_of(view: ModelView) -> Window | Skip:
-    """Sum the slot counts of the ranks running the current version; Skip when none does or shapes clash.
+    """Sum the slot counts of the ranks running the current version; Skip when none does or shapes
+    clash.
 
-    A rank on an older version is skipped until it catches up (its counts belong to another placement).
-    A rank reporting a version newer than the published one means Redis lost it: never plan over that.
+    A rank on an older version is skipped until it catches up (its counts belong to another
+    placement). A rank reporting a version newer than the published one means Redis lost it: never
+    plan over that.
     """
     if not view.reports:
         return Skip("no load reports")
@@ -168,14 +190,27 @@ def window_of(view: ModelView) -> Window | Skip:
     current = [r for r in view.reports if r.running_version == view.version]
     if not current:
         return Skip(f"waiting for the ranks to switch to version {view.version}")
-    placement = view.placement or identity_placement(view.instance, view.model, first.dp_size,
-                                                     first.num_layers, first.num_slots, first.num_logical)
+    placement = view.placement or identity_placement(
+        view.instance,
+        view.model,
+        first.dp_size,
+        first.num_layers,
+        first.num_slots,
+        first.num_logical,
+    )
     p2l = np.asarray(placement.physical_to_logical, dtype=np.int64)
     counts = np.sum([np.asarray(r.slot_counts, dtype=np.float64) for r in current], axis=0)
-    return Window(placement, logical_loads(counts, p2l, first.num_logical), first.dp_size,
-                  first.num_slots - first.num_logical, max(r.num_nodes for r in current), len(current),
-                  min(r.window_steps for r in current), min(r.steps_since_switch for r in current),
-                  max(r.expert_bytes for r in current))
+    return Window(
+        placement,
+        logical_loads(counts, p2l, first.num_logical),
+        first.dp_size,
+        first.num_slots - first.num_logical,
+        max(r.num_nodes for r in current),
+        len(current),
+        min(r.window_steps for r in current),
+        min(r.steps_since_switch for r in current),
+        max(r.expert_bytes for r in current),
+    )
 
 
 def _not_due(window: Window, policy: Policy, reason: RebalanceReason, force: bool) -> str:
@@ -185,21 +220,29 @@ def _not_due(window: Window, policy: Policy, reason: RebalanceReason, force: boo
     if window.window_steps < policy.window_steps and not force:
         return f"window holds {window.window_steps} of {policy.window_steps} steps"
     if reason == "manual":
-        return ""                   # a manual rebalance ignores the interval
+        return ""  # a manual rebalance ignores the interval
     if window.steps_since_switch < policy.step_interval:
-        return f"version {window.placement.version} ran {window.steps_since_switch} of " \
-               f"{policy.step_interval} steps"
+        return (
+            f"version {window.placement.version} ran {window.steps_since_switch} of "
+            f"{policy.step_interval} steps"
+        )
     return ""
 
 
-def decide(view: ModelView, policy: Policy, reason: RebalanceReason, *, is_enabled: bool = True,
-           force: bool = False) -> Decision:
+def decide(
+    view: ModelView,
+    policy: Policy,
+    reason: RebalanceReason,
+    *,
+    is_enabled: bool = True,
+    force: bool = False,
+) -> Decision:
     """Whether to publish a new version of `view`, and which.
 
-    reason "interval": only when enabled, the window is full and the version ran step_interval steps.
-    reason "manual": ignores enabled and the interval. Both wait for a full window (W steps under the
-    current version) and skip a plan whose gain in window balancedness is below policy.min_gain, unless
-    `force`; none publishes a plan that moves no slot.
+    reason "interval": only when enabled, the window is full and the version ran step_interval
+    steps. reason "manual": ignores enabled and the interval. Both wait for a full window (W steps
+    under the current version) and skip a plan whose gain in window balancedness is below
+    policy.min_gain, unless `force`; none publishes a plan that moves no slot.
     The plan starts from the current placement (move-minimising, at most move_budget of the slots).
     """
     if reason == "interval" and not is_enabled:
@@ -211,8 +254,14 @@ def decide(view: ModelView, policy: Policy, reason: RebalanceReason, *, is_enabl
     if why:
         return Skip(why)
     try:
-        new = plan(window.loads, window.num_ranks, window.num_redundant, num_nodes=window.num_nodes,
-                   previous=window.previous, move_budget=policy.move_budget)
+        new = plan(
+            window.loads,
+            window.num_ranks,
+            window.num_redundant,
+            num_nodes=window.num_nodes,
+            previous=window.previous,
+            move_budget=policy.move_budget,
+        )
     except ValueError as e:
         return Skip(f"cannot plan: {e}")
     num_moved = moved_slots(window.previous, new.physical_to_logical)
@@ -221,6 +270,8 @@ def decide(view: ModelView, policy: Policy, reason: RebalanceReason, *, is_enabl
     if num_moved == 0:
         return Skip(f"no move improves balancedness {before:.4f}")
     if after - before < policy.min_gain and not force:
-        return Skip(f"gain {after - before:.4f} (balancedness {before:.4f} -> {after:.4f}) is below "
-                    f"the minimum {policy.min_gain}")
+        return Skip(
+            f"gain {after - before:.4f} (balancedness {before:.4f} -> {after:.4f}) is below "
+            f"the minimum {policy.min_gain}"
+        )
     return Rebalance(window, new, reason, before, after, num_moved)

@@ -9,6 +9,7 @@
 Families are per registry: `EplbMetrics(registry)`; `default_metrics()` is the one set on the
 process-wide default registry (several controllers in one process, as in tests, share it).
 """
+
 from __future__ import annotations
 
 import functools
@@ -23,16 +24,35 @@ _MODEL_LABELS = ("instance", "model")
 
 class EplbMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.balancedness = Gauge("pdmesh_eplb_balancedness", "Window balancedness of the running placement",
-                                  _MODEL_LABELS, registry=registry)
-        self.placement_version = Gauge("pdmesh_eplb_placement_version", "Published placement version",
-                                       _MODEL_LABELS, registry=registry)
-        self.rebalances = Counter("pdmesh_eplb_rebalances_total", "Placement versions published",
-                                  ("reason",), registry=registry)
-        self.slots_moved = Counter("pdmesh_eplb_slots_moved_total", "Slots rewritten by published versions",
-                                   registry=registry)
-        self.plan_seconds = Histogram("pdmesh_eplb_plan_seconds", "Time to plan one rebalance",
-                                      buckets=PLAN_SECONDS_BUCKETS, registry=registry)
+        self.balancedness = Gauge(
+            "pdmesh_eplb_balancedness",
+            "Window balancedness of the running placement",
+            _MODEL_LABELS,
+            registry=registry,
+        )
+        self.placement_version = Gauge(
+            "pdmesh_eplb_placement_version",
+            "Published placement version",
+            _MODEL_LABELS,
+            registry=registry,
+        )
+        self.rebalances = Counter(
+            "pdmesh_eplb_rebalances_total",
+            "Placement versions published",
+            ("reason",),
+            registry=registry,
+        )
+        self.slots_moved = Counter(
+            "pdmesh_eplb_slots_moved_total",
+            "Slots rewritten by published versions",
+            registry=registry,
+        )
+        self.plan_seconds = Histogram(
+            "pdmesh_eplb_plan_seconds",
+            "Time to plan one rebalance",
+            buckets=PLAN_SECONDS_BUCKETS,
+            registry=registry,
+        )
 
     def observe(self, instance: str, model: str, version: int, balancedness: float | None) -> None:
         self.placement_version.labels(instance, model).set(version)

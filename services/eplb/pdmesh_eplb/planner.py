@@ -12,8 +12,8 @@ Contracts of every plan `plan()` returns:
   * with `previous`: at most floor(move_budget * P) slots differ from it per MoE layer, beyond
     those that must change to undo co-location in `previous`.
 
-Modules: `scoring` (balancedness, moved slots, input checks) ← `search` (replica counts, packing, local
-search) ← this module (the `Plan` type, `plan`, the baseline, JSON files and the CLI).
+Modules: `scoring` (balancedness, moved slots, input checks) ← `search` (replica counts, packing,
+local search) ← this module (the `Plan` type, `plan`, the baseline, JSON files and the CLI).
 
 `plan_from_scratch` is the comparison baseline in the style of DeepSeek's public greedy EPLB; it
 may co-locate replicas, as the original does.
@@ -22,6 +22,7 @@ Legend: L layers, M MoE (non-zero) layers, E logical experts, S redundant slots,
 R ranks, C = P / R slots per rank, N nodes (R / N consecutive ranks each), n active layers,
 T hot ranks and K partner ranks examined per step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,13 +34,44 @@ from typing import Any
 
 import numpy as np
 
-from pdmesh_eplb.scoring import (_balancedness, _check_layout, _check_loads, _check_previous, _identity, balancedness,
-                                 moved_fraction, moved_slots, moved_slots_per_layer, window_balancedness)
-from pdmesh_eplb.search import (_NODE_SLACK, _fit_counts, _pack, _pairing_bound, _refine, _repair, _replica_counts,
-                                _Search)
+from pdmesh_eplb.scoring import (
+    _balancedness,
+    _check_layout,
+    _check_loads,
+    _check_previous,
+    _identity,
+    balancedness,
+    moved_fraction,
+    moved_slots,
+    moved_slots_per_layer,
+    window_balancedness,
+)
+from pdmesh_eplb.search import (
+    _NODE_SLACK,
+    _fit_counts,
+    _pack,
+    _pairing_bound,
+    _refine,
+    _repair,
+    _replica_counts,
+    _Search,
+)
 
-__all__ = ["Plan", "balancedness", "load_loads", "load_plan", "main", "moved_fraction", "moved_slots",
-           "moved_slots_per_layer", "plan", "plan_from_scratch", "save_plan", "window_balancedness"]
+__all__ = [
+    "Plan",
+    "balancedness",
+    "load_loads",
+    "load_plan",
+    "main",
+    "moved_fraction",
+    "moved_slots",
+    "moved_slots_per_layer",
+    "plan",
+    "plan_from_scratch",
+    "save_plan",
+    "window_balancedness",
+]
+
 
 @dataclass(frozen=True, eq=False)
 class Plan:
@@ -49,25 +81,30 @@ class Plan:
     Co-location is not rejected here (the baseline may produce it); `plan()` never produces it.
     """
 
-    physical_to_logical: np.ndarray   # [L, P] int64
+    physical_to_logical: np.ndarray  # [L, P] int64
     num_ranks: int
 
     def __post_init__(self) -> None:
         p2l = np.array(self.physical_to_logical, dtype=np.int64, copy=True)
         if p2l.ndim != 2 or p2l.shape[1] == 0:
-            raise ValueError(f"physical_to_logical must be a non-empty [L, P] array, "
-                             f"got shape {p2l.shape}")
+            raise ValueError(
+                f"physical_to_logical must be a non-empty [L, P] array, got shape {p2l.shape}"
+            )
         if self.num_ranks <= 0 or p2l.shape[1] % self.num_ranks:
-            raise ValueError(f"{p2l.shape[1]} slots cannot be split evenly over "
-                             f"{self.num_ranks} ranks")
+            raise ValueError(
+                f"{p2l.shape[1]} slots cannot be split evenly over {self.num_ranks} ranks"
+            )
         if p2l.size and p2l.min() < 0:
             raise ValueError("physical_to_logical holds a negative expert id")
         p2l.setflags(write=False)
         object.__setattr__(self, "physical_to_logical", p2l)
 
     def __eq__(self, other: object) -> bool:
-        return (isinstance(other, Plan) and self.num_ranks == other.num_ranks
-                and np.array_equal(self.physical_to_logical, other.physical_to_logical))
+        return (
+            isinstance(other, Plan)
+            and self.num_ranks == other.num_ranks
+            and np.array_equal(self.physical_to_logical, other.physical_to_logical)
+        )
 
     __hash__ = None  # type: ignore[assignment]  # holds an array
 
@@ -85,8 +122,11 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         """{"num_ranks": R, "num_slots": P, "physical_to_logical": [[int] * P] * L}."""
-        return {"num_ranks": self.num_ranks, "num_slots": self.num_slots,
-                "physical_to_logical": self.physical_to_logical.tolist()}
+        return {
+            "num_ranks": self.num_ranks,
+            "num_slots": self.num_slots,
+            "physical_to_logical": self.physical_to_logical.tolist(),
+        }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Plan:
@@ -124,41 +164,59 @@ def _from_scratch(w: np.ndarray, num_ranks: int, num_slots: int, num_nodes: int)
         if fits.any():
             rows = skewed[fits]
             alt = _search_from(w[rows], alt_counts[fits], num_ranks, num_nodes)
-            better = _balancedness(w[rows], alt, num_ranks) > _balancedness(w[rows], out[rows],
-                                                                            num_ranks)
+            better = _balancedness(w[rows], alt, num_ranks) > _balancedness(
+                w[rows], out[rows], num_ranks
+            )
             out[rows[better]] = alt[better]
-    ident = _identity(w.shape, num_slots - w.shape[1])      # ties go to the engine's default
+    ident = _identity(w.shape, num_slots - w.shape[1])  # ties go to the engine's default
     worse = _balancedness(w, out, num_ranks) <= _balancedness(w, ident, num_ranks) + 1e-12
     out[worse] = ident[worse]
     return out
 
 
-def _plan_moe(w: np.ndarray, num_ranks: int, num_slots: int, num_nodes: int,
-              previous: np.ndarray | None, budget: int, min_gain: float) -> np.ndarray:
+def _plan_moe(
+    w: np.ndarray,
+    num_ranks: int,
+    num_slots: int,
+    num_nodes: int,
+    previous: np.ndarray | None,
+    budget: int,
+    min_gain: float,
+) -> np.ndarray:
     """p2l [M, P] for MoE rows w [M, E] (every row has a positive total)."""
     ident = _identity(w.shape, num_slots - w.shape[1])
-    if previous is not None:    # undoing co-location is mandatory and counts against the budget
+    if previous is not None:  # undoing co-location is mandatory and counts against the budget
         st = _Search(w, _repair(w, previous, num_ranks), num_ranks, num_nodes)
         out = _refine(st, previous, budget, min_gain)
         # The identity layout, when within the budget of `previous` and better, is a candidate too.
-        take = (((ident != previous).sum(1) <= budget)
-                & (_balancedness(w, ident, num_ranks) > _balancedness(w, out, num_ranks)))
+        take = ((ident != previous).sum(1) <= budget) & (
+            _balancedness(w, ident, num_ranks) > _balancedness(w, out, num_ranks)
+        )
         out[take] = ident[take]
         return out
     out = _from_scratch(w, num_ranks, num_slots, num_nodes)
-    if num_nodes > 1:   # locality must not cost balance: a layer that might trail the flat plan
+    if num_nodes > 1:  # locality must not cost balance: a layer that might trail the flat plan
         rows = np.flatnonzero(_balancedness(w, out, num_ranks) < 1.0 - _NODE_SLACK)
-        if rows.size:   # by more than _NODE_SLACK is compared with it and may take it instead
+        if rows.size:  # by more than _NODE_SLACK is compared with it and may take it instead
             flat = _from_scratch(w[rows], num_ranks, num_slots, 1)
-            worse = (_balancedness(w[rows], out[rows], num_ranks)
-                     < _balancedness(w[rows], flat, num_ranks) - _NODE_SLACK)
+            worse = (
+                _balancedness(w[rows], out[rows], num_ranks)
+                < _balancedness(w[rows], flat, num_ranks) - _NODE_SLACK
+            )
             out[rows[worse]] = flat[worse]
     return out
 
 
-def plan(loads: np.ndarray, num_ranks: int, num_redundant: int, *, num_nodes: int = 1,
-         previous: np.ndarray | Plan | None = None, move_budget: float = 0.2,
-         min_gain: float = 0.0) -> Plan:
+def plan(
+    loads: np.ndarray,
+    num_ranks: int,
+    num_redundant: int,
+    *,
+    num_nodes: int = 1,
+    previous: np.ndarray | Plan | None = None,
+    move_budget: float = 0.2,
+    min_gain: float = 0.0,
+) -> Plan:
     """Places E experts on P = E + S slots over R ranks for every layer of loads [L, E].
 
     previous=None: from scratch (replica counts minimising the heaviest replica, or for heavy
@@ -194,8 +252,15 @@ def plan(loads: np.ndarray, num_ranks: int, num_redundant: int, *, num_nodes: in
     prev = None if previous is None else _check_previous(previous, out.shape, w.shape[1], moe)
     if moe.any():
         budget = int(np.floor(move_budget * out.shape[1] + 1e-9))
-        out[moe] = _plan_moe(w[moe], num_ranks, out.shape[1], num_nodes,
-                             None if prev is None else prev[moe], budget, min_gain)
+        out[moe] = _plan_moe(
+            w[moe],
+            num_ranks,
+            out.shape[1],
+            num_nodes,
+            None if prev is None else prev[moe],
+            budget,
+            min_gain,
+        )
     return Plan(out, num_ranks)
 
 
@@ -235,23 +300,30 @@ def save_plan(plan: Plan, path: str | Path) -> None:
     """Writes `plan.to_json()` as JSON, one layer per line."""
     d = plan.to_json()
     rows = ",\n  ".join(json.dumps(row) for row in d["physical_to_logical"])
-    Path(path).write_text(f'{{"num_ranks": {d["num_ranks"]}, "num_slots": {d["num_slots"]}, '
-                          f'"physical_to_logical": [\n  {rows}\n]}}\n')
+    Path(path).write_text(
+        f'{{"num_ranks": {d["num_ranks"]}, "num_slots": {d["num_slots"]}, '
+        f'"physical_to_logical": [\n  {rows}\n]}}\n'
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     """`plan --loads LOADS.json --ranks R --redundant S [--nodes N] [--previous PLAN.json]
     [--move-budget 0.2] --out PLAN.json`: writes the plan and prints a one-line summary
     (balancedness before -> after, slots moved, plan time). 0 on success, 2 on bad input."""
-    p = argparse.ArgumentParser(prog="pdmesh eplb plan",
-                                description="Plan expert placement (EPLB) from expert loads.")
+    p = argparse.ArgumentParser(
+        prog="pdmesh eplb plan", description="Plan expert placement (EPLB) from expert loads."
+    )
     p.add_argument("--loads", required=True, help='JSON {"logical_count": [[float] * E] * L}')
     p.add_argument("--ranks", type=int, required=True, help="expert-parallel ranks R")
     p.add_argument("--redundant", type=int, required=True, help="redundant slots S per layer")
     p.add_argument("--nodes", type=int, default=1, help="nodes N (R / N ranks each)")
     p.add_argument("--previous", help="current plan JSON: rebalance from it, moving few slots")
-    p.add_argument("--move-budget", type=float, default=0.2,
-                   help="max fraction of a layer's slots rewritten (with --previous)")
+    p.add_argument(
+        "--move-budget",
+        type=float,
+        default=0.2,
+        help="max fraction of a layer's slots rewritten (with --previous)",
+    )
     p.add_argument("--out", required=True, help="where to write the plan JSON")
     args = p.parse_args(argv)
     try:
@@ -260,22 +332,30 @@ def main(argv: list[str] | None = None) -> int:
         if prev is not None and prev.num_ranks != args.ranks:
             raise ValueError(f"previous plan is for {prev.num_ranks} ranks, not {args.ranks}")
         start = time.perf_counter()
-        new = plan(loads, args.ranks, args.redundant, num_nodes=args.nodes,
-                   previous=None if prev is None else prev.physical_to_logical,
-                   move_budget=args.move_budget)
+        new = plan(
+            loads,
+            args.ranks,
+            args.redundant,
+            num_nodes=args.nodes,
+            previous=None if prev is None else prev.physical_to_logical,
+            move_budget=args.move_budget,
+        )
         elapsed_ms = (time.perf_counter() - start) * 1e3
     except (OSError, ValueError) as exc:
         print(f"plan: error: {exc}")
         return 2
-    before = (prev.physical_to_logical if prev is not None
-              else _identity(loads.shape, args.redundant))
+    before = (
+        prev.physical_to_logical if prev is not None else _identity(loads.shape, args.redundant)
+    )
     save_plan(new, args.out)
     moved = moved_slots(before, new.physical_to_logical, loads)
-    print(f"balancedness {window_balancedness(loads, before, args.ranks):.4f} "
-          f"({'previous' if prev is not None else 'identity'}) -> "
-          f"{window_balancedness(loads, new.physical_to_logical, args.ranks):.4f}; "
-          f"slots moved {moved} ({moved_fraction(before, new.physical_to_logical, loads):.1%}); "
-          f"plan {elapsed_ms:.1f} ms; wrote {args.out}")
+    print(
+        f"balancedness {window_balancedness(loads, before, args.ranks):.4f} "
+        f"({'previous' if prev is not None else 'identity'}) -> "
+        f"{window_balancedness(loads, new.physical_to_logical, args.ranks):.4f}; "
+        f"slots moved {moved} ({moved_fraction(before, new.physical_to_logical, loads):.1%}); "
+        f"plan {elapsed_ms:.1f} ms; wrote {args.out}"
+    )
     return 0
 
 

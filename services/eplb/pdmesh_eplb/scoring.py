@@ -3,6 +3,7 @@ and the input checks every planner entry point shares. Pure numpy.
 
 Legend: L layers, E logical experts, P = E + S physical slots, R ranks, C = P / R slots per rank.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -27,18 +28,23 @@ def _check_layout(num_experts: int, num_ranks: int, num_redundant: int, num_node
         raise ValueError(f"num_redundant must be >= 0, got {num_redundant}")
     num_slots = num_experts + num_redundant
     if num_slots % num_ranks:
-        raise ValueError(f"{num_experts} experts + {num_redundant} redundant slots = {num_slots} "
-                         f"slots, not divisible by {num_ranks} ranks")
-    if num_slots // num_ranks > num_experts:   # some expert would need more than R replicas
-        raise ValueError(f"{num_slots // num_ranks} slots per rank but {num_experts} experts: "
-                         f"replicas would share a rank (an expert can have at most {num_ranks} "
-                         f"replicas)")
+        raise ValueError(
+            f"{num_experts} experts + {num_redundant} redundant slots = {num_slots} "
+            f"slots, not divisible by {num_ranks} ranks"
+        )
+    if num_slots // num_ranks > num_experts:  # some expert would need more than R replicas
+        raise ValueError(
+            f"{num_slots // num_ranks} slots per rank but {num_experts} experts: "
+            f"replicas would share a rank (an expert can have at most {num_ranks} "
+            f"replicas)"
+        )
     if num_nodes <= 0 or num_ranks % num_nodes:
         raise ValueError(f"{num_ranks} ranks cannot be split evenly into {num_nodes} nodes")
 
 
-def _check_previous(previous: np.ndarray, shape: tuple[int, int], num_experts: int,
-                    moe: np.ndarray) -> np.ndarray:
+def _check_previous(
+    previous: np.ndarray, shape: tuple[int, int], num_experts: int, moe: np.ndarray
+) -> np.ndarray:
     """`previous` as int64 [L, P], holding every expert in each MoE layer."""
     prev = np.asarray(previous)
     if prev.shape != shape:
@@ -78,8 +84,9 @@ def balancedness(loads: np.ndarray, p2l: np.ndarray, num_ranks: int) -> np.ndarr
     w = _check_loads(loads)
     p2l = np.asarray(p2l, dtype=np.int64)
     if p2l.ndim != 2 or p2l.shape[0] != len(w) or p2l.shape[1] % num_ranks:
-        raise ValueError(f"plan shape {p2l.shape} does not fit loads {w.shape} "
-                         f"and {num_ranks} ranks")
+        raise ValueError(
+            f"plan shape {p2l.shape} does not fit loads {w.shape} and {num_ranks} ranks"
+        )
     return _balancedness(w, p2l, num_ranks)
 
 

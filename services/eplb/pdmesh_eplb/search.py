@@ -5,17 +5,18 @@ previous one within a move budget). Pure numpy, vectorised over layers.
 Legend: L layers, M MoE (non-zero) layers, E logical experts, P slots, R ranks, C = P / R slots per
 rank, N nodes, n active layers, T hot ranks and K partner ranks examined per step.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
 
-_REL_EPS = 1e-4         # a move must gain this fraction of the mean rank load per rewritten slot
+_REL_EPS = 1e-4  # a move must gain this fraction of the mean rank load per rewritten slot
 _SPREAD_WEIGHT = 0.002  # one more node spanned by an expert costs this fraction of the mean load
-_NODE_SLACK = 0.002     # node-aware layers may trail the flat plan's balancedness by this much
+_NODE_SLACK = 0.002  # node-aware layers may trail the flat plan's balancedness by this much
 
-Moves = tuple[np.ndarray, np.ndarray, np.ndarray]     # (layer, slot a, slot b) per candidate move
+Moves = tuple[np.ndarray, np.ndarray, np.ndarray]  # (layer, slot a, slot b) per candidate move
 
 
 def _replica_counts(w: np.ndarray, num_slots: int, cap: int) -> np.ndarray:
@@ -40,8 +41,9 @@ def _fit_counts(w: np.ndarray, num_slots: int, num_ranks: int) -> tuple[np.ndarr
     while (spare := np.where(fits, num_slots - counts.sum(1), 0)).any():
         per_replica = np.where(counts < num_ranks, w / counts, np.inf)
         order = np.argsort(per_replica, axis=1, kind="stable")
-        counts[rows, order] += ((np.arange(w.shape[1]) < spare[:, None])
-                                & (per_replica[rows, order] < np.inf))
+        counts[rows, order] += (np.arange(w.shape[1]) < spare[:, None]) & (
+            per_replica[rows, order] < np.inf
+        )
     return counts, fits
 
 
@@ -53,12 +55,13 @@ def _pairing_bound(w: np.ndarray, counts: np.ndarray, num_ranks: int) -> np.ndar
     bound = sizes[:, 0]
     for k in (1, 2):
         if sizes.shape[1] > k * num_ranks:
-            bound = np.maximum(bound, sizes[:, k * num_ranks - k:k * num_ranks + 1].sum(1))
+            bound = np.maximum(bound, sizes[:, k * num_ranks - k : k * num_ranks + 1].sum(1))
     return bound
 
 
-def _pack(w: np.ndarray, counts: np.ndarray, num_ranks: int, avoid_colocation: bool,
-          num_nodes: int = 1) -> np.ndarray:
+def _pack(
+    w: np.ndarray, counts: np.ndarray, num_ranks: int, avoid_colocation: bool, num_nodes: int = 1
+) -> np.ndarray:
     """Greedy packing [M, P]: replicas heaviest-first, each to the least-loaded rank with a free
     slot (with `avoid_colocation`: one without that expert if any; `_repair` fixes the rest).
     With N > 1, an expert's later replicas go to its first replica's node when a rank there is
@@ -69,14 +72,14 @@ def _pack(w: np.ndarray, counts: np.ndarray, num_ranks: int, avoid_colocation: b
     rank_node = np.arange(num_ranks) // (num_ranks // num_nodes)
     rows, col = np.arange(num_layers), np.arange(num_layers)[:, None]
     per_replica = w / counts
-    order = np.argsort(-per_replica, axis=1, kind="stable")                       # [M, E]
+    order = np.argsort(-per_replica, axis=1, kind="stable")  # [M, E]
     items = np.repeat(order.ravel(), counts[col, order].ravel()).reshape(num_layers, num_slots)
-    sizes = per_replica[col, items]                                               # [M, P]
+    sizes = per_replica[col, items]  # [M, P]
     p2l = np.empty((num_layers, num_slots), dtype=np.int64)
     fill = np.zeros((num_layers, num_ranks), dtype=np.int64)
-    load = np.zeros((num_layers, num_ranks))            # +inf once the rank is full
+    load = np.zeros((num_layers, num_ranks))  # +inf once the rank is full
     on = np.zeros((num_layers, num_ranks, num_experts), dtype=bool)
-    home = np.full((num_layers, num_experts), -1)       # node of each expert's first replica
+    home = np.full((num_layers, num_experts), -1)  # node of each expert's first replica
     for j in range(num_slots):
         x = items[:, j]
         cand = load
@@ -103,30 +106,31 @@ def _repair(w: np.ndarray, p2l: np.ndarray, num_ranks: int) -> np.ndarray:
     p2l = p2l.copy()
     per_rank = p2l.shape[1] // num_ranks
     slot_rank = np.arange(p2l.shape[1]) // per_rank
-    later = np.tri(per_rank, k=-1, dtype=bool)          # [C, C]: j < i
+    later = np.tri(per_rank, k=-1, dtype=bool)  # [C, C]: j < i
     while True:
         grouped = p2l.reshape(len(p2l), num_ranks, per_rank)
         dup = (grouped[:, :, :, None] == grouped[:, :, None, :]).any(3, where=later)
         layers, slots = np.nonzero(dup.reshape(len(p2l), -1))
         if not layers.size:
             return p2l
-        for layer in np.unique(layers):   # one fix per layer per pass; the rest are re-detected
+        for layer in np.unique(layers):  # one fix per layer per pass; the rest are re-detected
             row, s = p2l[layer], int(slots[layers == layer][0])
             x, r = row[s], slot_rank[s]
             counts = np.bincount(row, minlength=w.shape[1])
-            size = w[layer, row] / counts[row]                                    # [P]
+            size = w[layer, row] / counts[row]  # [P]
             load = np.bincount(slot_rank, weights=size, minlength=num_ranks)
             has_x = np.zeros(num_ranks, dtype=bool)
             has_x[slot_rank[row == x]] = True
             cand = ~has_x[slot_rank] & ~np.isin(row, row[slot_rank == r])
             if cand.any():
                 d = size[s] - size
-                b = int(np.argmin(np.where(cand, np.maximum(load[r] - d, load[slot_rank] + d),
-                                           np.inf)))
+                b = int(
+                    np.argmin(np.where(cand, np.maximum(load[r] - d, load[slot_rank] + d), np.inf))
+                )
                 row[s], row[b] = row[b], row[s]
                 continue
             lacking = np.setdiff1d(np.arange(w.shape[1]), row[slot_rank == r])
-            lacking = lacking[counts[lacking] < num_ranks]   # non-empty whenever C <= E
+            lacking = lacking[counts[lacking] < num_ranks]  # non-empty whenever C <= E
             row[s] = lacking[np.argmax(w[layer, lacking] / (counts[lacking] + 1))]
 
 
@@ -143,8 +147,8 @@ class _Search:
     expert (0 when N = 1), a tie-breaker between moves of nearly equal gain.
     """
 
-    w: np.ndarray          # [M, E]
-    p2l: np.ndarray        # [M, P], no co-location
+    w: np.ndarray  # [M, E]
+    p2l: np.ndarray  # [M, P], no co-location
     num_ranks: int
     num_nodes: int = 1
 
@@ -152,7 +156,7 @@ class _Search:
         num_layers, num_experts = self.w.shape
         rows = np.arange(num_layers)[:, None]
         self.per_rank = self.p2l.shape[1] // self.num_ranks
-        self.slot_rank = np.arange(self.p2l.shape[1]) // self.per_rank                # [P]
+        self.slot_rank = np.arange(self.p2l.shape[1]) // self.per_rank  # [P]
         self.rank_node = np.arange(self.num_ranks) // (self.num_ranks // self.num_nodes)
         self.counts = np.zeros((num_layers, num_experts), dtype=np.int64)
         np.add.at(self.counts, (rows, self.p2l), 1)
@@ -206,13 +210,15 @@ def _best_swaps(st: _Search, act: np.ndarray, hot: np.ndarray, cool: np.ndarray)
     n, num_hot = hot.shape
     per_rank, col = st.per_rank, np.arange(n)[:, None]
     slot_load, rank_load, p2l = st.slot_load[act], st.rank_load[act], st.p2l[act]
-    hot_slots = (hot[:, :, None] * per_rank + np.arange(per_rank)).reshape(n, -1)    # [n, TC]
+    hot_slots = (hot[:, :, None] * per_rank + np.arange(per_rank)).reshape(n, -1)  # [n, TC]
     cool_slots = (cool[:, :, None] * per_rank + np.arange(per_rank)).reshape(n, -1)  # [n, KC]
-    d = (slot_load[col, hot_slots].reshape(n, num_hot, per_rank, 1)
-         - slot_load[col, cool_slots][:, None, None, :])
+    d = (
+        slot_load[col, hot_slots].reshape(n, num_hot, per_rank, 1)
+        - slot_load[col, cool_slots][:, None, None, :]
+    )
     peak = rank_load[col, hot][:, :, None, None]
     partner = np.repeat(rank_load[col, cool], per_rank, axis=1)[:, None, None, :]
-    new_peak = np.maximum(peak - d, partner + d)                                   # [n, T, C, KC]
+    new_peak = np.maximum(peak - d, partner + d)  # [n, T, C, KC]
     xa, xb = p2l[col, hot_slots], p2l[col, cool_slots]
     # Forbidden: the partner rank already holds xa, or the hot rank already holds xb; no gain.
     bad = np.repeat(st.on[act[:, None, None], cool[:, None, :], xa[:, :, None]], per_rank, axis=2)
@@ -221,28 +227,33 @@ def _best_swaps(st: _Search, act: np.ndarray, hot: np.ndarray, cool: np.ndarray)
     bad |= new_peak >= peak * (1 - 1e-12)
     score = new_peak
     if st.num_nodes > 1:
-        score = new_peak + (st.spread_cost[act, None, None, None]
-                            * _swap_spread(st, act, hot, xa, cool, xb))
+        score = new_peak + (
+            st.spread_cost[act, None, None, None] * _swap_spread(st, act, hot, xa, cool, xb)
+        )
     flat = np.where(bad, np.inf, score).reshape(n, num_hot, -1)
-    k, t = flat.argmin(2), np.arange(num_hot)[None, :]                             # [n, T]
-    gain = np.where(flat[col, t, k] < np.inf,
-                    peak[:, :, 0, 0] - new_peak.reshape(flat.shape)[col, t, k], -np.inf)
+    k, t = flat.argmin(2), np.arange(num_hot)[None, :]  # [n, T]
+    gain = np.where(
+        flat[col, t, k] < np.inf,
+        peak[:, :, 0, 0] - new_peak.reshape(flat.shape)[col, t, k],
+        -np.inf,
+    )
     kc = cool_slots.shape[1]
     return gain, hot_slots[col, t * per_rank + k // kc], cool_slots[col, k % kc]
 
 
-def _swap_spread(st: _Search, act: np.ndarray, hot: np.ndarray, xa: np.ndarray,
-                 cool: np.ndarray, xb: np.ndarray) -> np.ndarray:
+def _swap_spread(
+    st: _Search, act: np.ndarray, hot: np.ndarray, xa: np.ndarray, cool: np.ndarray, xb: np.ndarray
+) -> np.ndarray:
     """Change [n, T, C, K*C] in the nodes spanned by xa [n, T*C] plus xb [n, K*C] if swapped."""
     n, num_hot = hot.shape
     per_rank, col = st.per_rank, np.arange(n)[:, None]
-    node_h, node_c = st.rank_node[hot], st.rank_node[cool]                         # [n, T], [n, K]
+    node_h, node_c = st.rank_node[hot], st.rank_node[cool]  # [n, T], [n, K]
     node_ha, node_cb = np.repeat(node_h, per_rank, 1), np.repeat(node_c, per_rank, 1)
-    count = st.node_count[act]                                                     # [n, E, N]
-    a_in = count[col[:, :, None], xa[:, :, None], node_c[:, None, :]] == 0        # [n, TC, K]
-    a_out = count[col, xa, node_ha] == 1                                          # [n, TC]
+    count = st.node_count[act]  # [n, E, N]
+    a_in = count[col[:, :, None], xa[:, :, None], node_c[:, None, :]] == 0  # [n, TC, K]
+    a_out = count[col, xa, node_ha] == 1  # [n, TC]
     delta_a = np.repeat(a_in, per_rank, 2).astype(np.int64) - a_out[..., None]
-    b_in = count[col[:, :, None], xb[:, None, :], node_h[:, :, None]] == 0        # [n, T, KC]
+    b_in = count[col[:, :, None], xb[:, None, :], node_h[:, :, None]] == 0  # [n, T, KC]
     delta_b = b_in.astype(np.int64) - (count[col, xb, node_cb] == 1)[:, None, :]
     delta = delta_a.reshape(n, num_hot, per_rank, -1) + delta_b[:, :, None, :]
     return np.where((node_h[:, :, None] == node_cb[:, None, :])[:, :, None, :], 0, delta)
@@ -257,28 +268,29 @@ def _best_replaces(st: _Search, act: np.ndarray, hot: np.ndarray) -> Moves:
     ar, col = np.arange(len(act)), act[:, None]
     w, counts, p2l, rank_load = st.w[act], st.counts[act], st.p2l[act], st.rank_load[act]
     peak = rank_load[ar, hot]
-    xa = p2l[ar[:, None], hot[:, None] * per_rank + np.arange(per_rank)]         # [n, C]
+    xa = p2l[ar[:, None], hot[:, None] * per_rank + np.arange(per_rank)]  # [n, C]
     ca, wa = counts[ar[:, None], xa], w[ar[:, None], xa]
-    relief = np.where(ca < num_ranks, wa / (ca * (ca + 1)), -1.0)   # drop on each holder of xa
+    relief = np.where(ca < num_ranks, wa / (ca * (ca + 1)), -1.0)  # drop on each holder of xa
     j = relief.argmax(1)
     y, gy = xa[ar, j], relief[ar, j]
-    cx, size = counts[ar[:, None], p2l], st.slot_load[act]                         # [n, P]
+    cx, size = counts[ar[:, None], p2l], st.slot_load[act]  # [n, P]
     y_on = np.repeat(st.on[col, np.arange(num_ranks), y[:, None]], per_rank, axis=1)
     ok = (cx >= 2) & ~y_on & (gy > 0)[:, None]
-    gx = size / np.maximum(cx - 1, 1)                               # rise on each holder of x
+    gx = size / np.maximum(cx - 1, 1)  # rise on each holder of x
     slot_rank_load = rank_load[:, st.slot_rank]
     new_b = slot_rank_load - size + (w[ar, y] / (counts[ar, y] + 1))[:, None]
     new_hot = peak[:, None] - gy[:, None] + gx * st.on[col, hot[:, None], p2l]
     r_idx, s_idx = np.nonzero((cx >= 2) & (st.slot_rank != hot[:, None]))
-    top = np.full(w.shape, -np.inf)          # [n, E]: hottest rank but `hot` holding each expert
+    top = np.full(w.shape, -np.inf)  # [n, E]: hottest rank but `hot` holding each expert
     np.maximum.at(top, (r_idx, p2l[r_idx, s_idx]), slot_rank_load[r_idx, s_idx])
     new_peak = np.maximum(np.maximum(new_hot, new_b), top[ar[:, None], p2l] + gx)
     ok &= new_peak < peak[:, None] * (1 - 1e-12)
     score = new_peak
     if st.num_nodes > 1:
         node_b = st.rank_node[st.slot_rank]
-        spread = ((st.node_count[act, y][:, node_b] == 0).astype(np.int64)
-                  - (st.node_count[col, p2l, node_b] == 1))
+        spread = (st.node_count[act, y][:, node_b] == 0).astype(np.int64) - (
+            st.node_count[col, p2l, node_b] == 1
+        )
         score = new_peak + st.spread_cost[col] * spread
     b = np.where(ok, score, np.inf).argmin(1)
     return np.where(ok[ar, b], peak - new_peak[ar, b], -np.inf), b, y
@@ -292,23 +304,31 @@ def _best_drops(st: _Search, act: np.ndarray, hot: np.ndarray) -> Moves:
     ar, col = np.arange(len(act)), np.arange(len(act))[:, None]
     w, counts, rank_load = st.w[act], st.counts[act], st.rank_load[act]
     peak = rank_load[ar, hot]
-    slots = hot[:, None] * st.per_rank + np.arange(st.per_rank)                    # [n, C]
+    slots = hot[:, None] * st.per_rank + np.arange(st.per_rank)  # [n, C]
     x = st.p2l[act[:, None], slots]
     cx, size = counts[col, x], st.slot_load[act[:, None], slots]
     added = np.where(~st.on[act, hot] & (counts < st.num_ranks), w / (counts + 1), np.inf)
     y = added.argmin(1)
-    holders = st.on[act[:, None], :, x]                                            # [n, C, R]
+    holders = st.on[act[:, None], :, x]  # [n, C, R]
     holders[ar, :, hot] = False
-    top = np.where(holders, rank_load[:, None, :], -np.inf).max(2)                 # [n, C]
-    new_peak = np.maximum(peak[:, None] - size + added[ar, y][:, None],
-                          top + size / np.maximum(cx - 1, 1))
+    top = np.where(holders, rank_load[:, None, :], -np.inf).max(2)  # [n, C]
+    new_peak = np.maximum(
+        peak[:, None] - size + added[ar, y][:, None], top + size / np.maximum(cx - 1, 1)
+    )
     new_peak[(cx < 2) | (new_peak >= peak[:, None] * (1 - 1e-12))] = np.inf
     j = new_peak.argmin(1)
     return np.where(new_peak[ar, j] < np.inf, peak - new_peak[ar, j], -np.inf), slots[ar, j], y
 
 
-def _moves(st: _Search, act: np.ndarray, num_hot: int, num_cool: int, left: np.ndarray,
-           floor: np.ndarray, frugal: bool) -> tuple[np.ndarray, ...]:
+def _moves(
+    st: _Search,
+    act: np.ndarray,
+    num_hot: int,
+    num_cool: int,
+    left: np.ndarray,
+    floor: np.ndarray,
+    frugal: bool,
+) -> tuple[np.ndarray, ...]:
     """One step's candidates for the active layers: swaps [n, T] of the T hottest ranks with the K
     coolest (the hottest retries against every rank where that gains too little); the best
     replacement [n] for the hottest rank (if `frugal` always, else where no swap gains enough),
@@ -332,8 +352,14 @@ def _moves(st: _Search, act: np.ndarray, num_hot: int, num_cool: int, left: np.n
     return hot, gain_swap, a, b, gain_rep, slot, y
 
 
-def _refine(st: _Search, previous: np.ndarray | None = None, budget: int = 0,
-            min_gain: float = 0.0, num_hot: int = 2, num_cool: int = 4) -> np.ndarray:
+def _refine(
+    st: _Search,
+    previous: np.ndarray | None = None,
+    budget: int = 0,
+    min_gain: float = 0.0,
+    num_hot: int = 2,
+    num_cool: int = 4,
+) -> np.ndarray:
     """Greedy local search; returns the best p2l [M, P] seen. Each step, in every active layer,
     the hottest rank takes the better of its best swap (2 slot rewrites) and its best replacement
     or drop (1 rewrite); after a swap the next hottest ranks (num_hot in all) take their best
@@ -348,15 +374,16 @@ def _refine(st: _Search, previous: np.ndarray | None = None, budget: int = 0,
     active = np.ones(len(st.w), dtype=bool)
     best, best_peak = st.p2l.copy(), st.rank_load.max(1)
     used = (st.p2l != previous).sum(1) if previous is not None else np.zeros(len(st.w), np.int64)
-    tol = _REL_EPS * st.w.sum(1) / st.num_ranks                      # [M]
+    tol = _REL_EPS * st.w.sum(1) / st.num_ranks  # [M]
     for _ in range(4 * st.p2l.shape[1] + 8):
         act = np.flatnonzero(active)
         if not act.size:
             break
         left = budget - used[act] if frugal else np.full(len(act), np.inf)
         floor = np.maximum(tol[act], (min_gain if frugal else 0.0) * st.rank_load[act].max(1))
-        hot, gain_swap, a, b, gain_rep, slot, y = _moves(st, act, num_hot, num_cool, left, floor,
-                                                         frugal)
+        hot, gain_swap, a, b, gain_rep, slot, y = _moves(
+            st, act, num_hot, num_cool, left, floor, frugal
+        )
         swap_ok, rep_ok = gain_swap[:, 0] > 2 * floor, gain_rep > floor
         score_swap = gain_swap[:, 0] / 2 if frugal else gain_swap[:, 0]
         do_rep = rep_ok & (~swap_ok | (gain_rep > score_swap))
@@ -374,8 +401,17 @@ def _refine(st: _Search, previous: np.ndarray | None = None, budget: int = 0,
     return best
 
 
-def _take_swaps(st: _Search, act: np.ndarray, hot: np.ndarray, gain: np.ndarray, b: np.ndarray,
-                first: np.ndarray, left: np.ndarray, floor: np.ndarray, frugal: bool) -> np.ndarray:
+def _take_swaps(
+    st: _Search,
+    act: np.ndarray,
+    hot: np.ndarray,
+    gain: np.ndarray,
+    b: np.ndarray,
+    first: np.ndarray,
+    left: np.ndarray,
+    floor: np.ndarray,
+    frugal: bool,
+) -> np.ndarray:
     """Which swaps [n, T] to apply: column 0 where `first`; column t > 0 if it gains more than
     `floor`, its two ranks are untouched so far, the budget pays 2 more rewrites, and (`frugal`)
     its hot rank is above the level the first swap brings the hottest rank to."""

@@ -8,6 +8,7 @@ table (see `main`).
 Legend: L layers, E logical experts, P physical slots, R ranks, T tokens per step, K experts per
 token (top-k).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,14 +44,16 @@ def _inclusion(w: np.ndarray, top_k: int) -> np.ndarray:
         rest = np.where(capped, 0.0, pi)
         free = top_k - capped.sum(1, keepdims=True)
         mass = rest.sum(1, keepdims=True)
-        pi = np.where(capped, 1.0, rest * np.divide(free, mass, out=np.zeros_like(mass),
-                                                    where=mass > 0))
+        pi = np.where(
+            capped, 1.0, rest * np.divide(free, mass, out=np.zeros_like(mass), where=mass > 0)
+        )
     out: np.ndarray = np.minimum(pi, 1.0)
     return out
 
 
-def sample_step_loads(window_loads: np.ndarray, tokens_per_step: int, top_k: int,
-                      rng: np.random.Generator) -> np.ndarray:
+def sample_step_loads(
+    window_loads: np.ndarray, tokens_per_step: int, top_k: int, rng: np.random.Generator
+) -> np.ndarray:
     """Expert loads [L, E] of one step of T tokens, each picking K distinct experts.
 
     Vectorised approximation, systematic sampling: the inclusion probabilities pi (K x load
@@ -65,23 +68,24 @@ def sample_step_loads(window_loads: np.ndarray, tokens_per_step: int, top_k: int
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
     moe = w.sum(1) > 0
-    pi = _inclusion(w[moe], top_k)                                                # [M, E]
+    pi = _inclusion(w[moe], top_k)  # [M, E]
     num_moe = len(pi)
-    offset = (np.arange(num_moe) * (top_k + 1.0))[:, None]        # keeps the layers' ranges apart
+    offset = (np.arange(num_moe) * (top_k + 1.0))[:, None]  # keeps the layers' ranges apart
     order = np.argsort(rng.random(pi.shape), axis=1)
     bounds = np.cumsum(np.take_along_axis(pi, order, 1), axis=1)
-    bounds[:, -1] = top_k + 0.5                                    # absorbs float round-off
+    bounds[:, -1] = top_k + 0.5  # absorbs float round-off
     bounds += offset
     u = rng.random((num_moe, tokens_per_step, 1)) + np.arange(top_k) + offset[:, :, None]
-    pos = np.searchsorted(bounds.ravel(), u.ravel(), side="right")    # [M * T * K] global index
+    pos = np.searchsorted(bounds.ravel(), u.ravel(), side="right")  # [M * T * K] global index
     picked = order.ravel()[pos] + pos // num_experts * num_experts
     out = np.zeros((num_layers, num_experts))
     out[moe] = np.bincount(picked, minlength=num_moe * num_experts).reshape(num_moe, num_experts)
     return out
 
 
-def per_step_balancedness(step_loads: np.ndarray, p2l: np.ndarray, num_ranks: int,
-                          rng: np.random.Generator) -> np.ndarray:
+def per_step_balancedness(
+    step_loads: np.ndarray, p2l: np.ndarray, num_ranks: int, rng: np.random.Generator
+) -> np.ndarray:
     """Per layer [L]: mean / max rank load of one step, each token of an expert sent to one of
     its replicas chosen uniformly at random (a multinomial split of the expert's count); 1.0 for
     layers without tokens. step_loads [L, E] integer counts, p2l [L, P]."""
@@ -99,30 +103,41 @@ def per_step_balancedness(step_loads: np.ndarray, p2l: np.ndarray, num_ranks: in
     nth = np.empty_like(p2l)
     nth[rows, order] = idx - np.maximum.accumulate(starts, axis=1)
     pvals = (np.arange(width) < replicas[:, :, None]) / np.maximum(replicas, 1)[:, :, None]
-    pvals[replicas == 0, 0] = 1.0                    # experts without a slot: tokens dropped
-    split = rng.multinomial(tokens, pvals)                                         # [L, E, width]
+    pvals[replicas == 0, 0] = 1.0  # experts without a slot: tokens dropped
+    split = rng.multinomial(tokens, pvals)  # [L, E, width]
     rank_load = split[rows, p2l, nth].reshape(num_layers, num_ranks, -1).sum(2)
     peak = rank_load.max(1)
     out: np.ndarray = np.divide(rank_load.mean(1), peak, out=np.ones(num_layers), where=peak > 0)
     return out
 
 
-def uniform_reference(p2l: np.ndarray, num_ranks: int, tokens_per_step: int, top_k: int,
-                      rng: np.random.Generator, num_steps: int = 4) -> np.ndarray:
+def uniform_reference(
+    p2l: np.ndarray,
+    num_ranks: int,
+    tokens_per_step: int,
+    top_k: int,
+    rng: np.random.Generator,
+    num_steps: int = 4,
+) -> np.ndarray:
     """Per layer [L]: `per_step_balancedness` averaged over num_steps steps in which every token
     picks K distinct experts uniformly at random. On the identity placement of E slots (E % R ==
     0) every rank expects the same load, so this is the sampling-noise floor: what a perfect
     balancer could reach at this step size."""
     p2l = np.asarray(p2l, dtype=np.int64)
     uniform = np.ones((p2l.shape[0], int(p2l.max()) + 1))
-    runs = [per_step_balancedness(sample_step_loads(uniform, tokens_per_step, top_k, rng), p2l,
-                                  num_ranks, rng) for _ in range(num_steps)]
+    runs = [
+        per_step_balancedness(
+            sample_step_loads(uniform, tokens_per_step, top_k, rng), p2l, num_ranks, rng
+        )
+        for _ in range(num_steps)
+    ]
     out: np.ndarray = np.mean(runs, axis=0)
     return out
 
 
-def drift_chain(loads: np.ndarray, steps: int, noise: float = 0.2,
-                rng: np.random.Generator | None = None) -> np.ndarray:
+def drift_chain(
+    loads: np.ndarray, steps: int, noise: float = 0.2, rng: np.random.Generator | None = None
+) -> np.ndarray:
     """Windows [steps + 1, L, E]: window 0 is `loads`; each next window multiplies every expert's
     load by an independent factor uniform in [1 - noise, 1 + noise] (so drift accumulates: a
     random walk) and rescales each row to keep its total. Dense (all-zero) rows stay zero."""
@@ -134,8 +149,9 @@ def drift_chain(loads: np.ndarray, steps: int, noise: float = 0.2,
     for _ in range(steps):
         nxt = chain[-1] * rng.uniform(1.0 - noise, 1.0 + noise, size=w.shape)
         total = nxt.sum(1, keepdims=True)
-        chain.append(np.divide(nxt * w.sum(1, keepdims=True), total, out=np.zeros_like(nxt),
-                               where=total > 0))
+        chain.append(
+            np.divide(nxt * w.sum(1, keepdims=True), total, out=np.zeros_like(nxt), where=total > 0)
+        )
     return np.stack(chain)
 
 
@@ -167,9 +183,16 @@ def _timed(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, floa
     return out, (time.perf_counter() - start) * 1e3
 
 
-def _drift_report(loads: np.ndarray, num_ranks: int, num_redundant: int, num_nodes: int,
-                  steps: int, noise: float, move_budget: float,
-                  rng: np.random.Generator) -> dict[str, Any]:
+def _drift_report(
+    loads: np.ndarray,
+    num_ranks: int,
+    num_redundant: int,
+    num_nodes: int,
+    steps: int,
+    noise: float,
+    move_budget: float,
+    rng: np.random.Generator,
+) -> dict[str, Any]:
     """`steps` rebalances along a drift chain: ours from its previous plan, the baseline and ours
     from scratch; a plan fitted on window t is also scored on window t + 1 ("following")."""
     chain = drift_chain(loads, steps + 1, noise, rng)
@@ -178,32 +201,48 @@ def _drift_report(loads: np.ndarray, num_ranks: int, num_redundant: int, num_nod
     base = plan_from_scratch(chain[0], num_ranks, num_redundant).physical_to_logical
     rounds, times = [], []
     for t in range(1, steps + 1):
-        new_plan, ms = _timed(plan, chain[t], num_ranks, num_redundant, num_nodes=num_nodes,
-                              previous=ours, move_budget=move_budget)
+        new_plan, ms = _timed(
+            plan,
+            chain[t],
+            num_ranks,
+            num_redundant,
+            num_nodes=num_nodes,
+            previous=ours,
+            move_budget=move_budget,
+        )
         new, nxt = new_plan.physical_to_logical, chain[t + 1]
         new_base = plan_from_scratch(chain[t], num_ranks, num_redundant).physical_to_logical
         fresh = plan(chain[t], num_ranks, num_redundant, num_nodes=num_nodes).physical_to_logical
         times.append(ms)
-        rounds.append({
-            "moved_ours": moved_fraction(ours, new, loads),
-            "moved_ours_max_layer": float(moved_slots_per_layer(ours, new)[moe].max()
-                                          / new.shape[1]),
-            "moved_baseline": moved_fraction(base, new_base, loads),
-            "window_ours": window_balancedness(chain[t], new, num_ranks),
-            "window_scratch": window_balancedness(chain[t], fresh, num_ranks),
-            "window_stale": window_balancedness(chain[t], ours, num_ranks),
-            "following_ours": window_balancedness(nxt, new, num_ranks),
-            "following_scratch": window_balancedness(nxt, fresh, num_ranks),
-            "following_baseline": window_balancedness(nxt, new_base, num_ranks),
-            "colocated_ours": colocated_replicas(new, num_ranks),
-        })
+        rounds.append(
+            {
+                "moved_ours": moved_fraction(ours, new, loads),
+                "moved_ours_max_layer": float(
+                    moved_slots_per_layer(ours, new)[moe].max() / new.shape[1]
+                ),
+                "moved_baseline": moved_fraction(base, new_base, loads),
+                "window_ours": window_balancedness(chain[t], new, num_ranks),
+                "window_scratch": window_balancedness(chain[t], fresh, num_ranks),
+                "window_stale": window_balancedness(chain[t], ours, num_ranks),
+                "following_ours": window_balancedness(nxt, new, num_ranks),
+                "following_scratch": window_balancedness(nxt, fresh, num_ranks),
+                "following_baseline": window_balancedness(nxt, new_base, num_ranks),
+                "colocated_ours": colocated_replicas(new, num_ranks),
+            }
+        )
         ours, base = new, new_base
     return {"rounds": rounds, "plan_ms_previous": times}
 
 
-def _per_step_report(loads: np.ndarray, plans: dict[str, np.ndarray], num_ranks: int,
-                     tokens_per_step: int, top_k: int, num_steps: int,
-                     rng: np.random.Generator) -> dict[str, float]:
+def _per_step_report(
+    loads: np.ndarray,
+    plans: dict[str, np.ndarray],
+    num_ranks: int,
+    tokens_per_step: int,
+    top_k: int,
+    num_steps: int,
+    rng: np.random.Generator,
+) -> dict[str, float]:
     """Per-step balancedness averaged over MoE layers and num_steps sampled steps, per plan; plus
     `uniform_reference` on the identity placement of E slots when E % R == 0."""
     moe = loads.sum(1) > 0
@@ -216,15 +255,26 @@ def _per_step_report(loads: np.ndarray, plans: dict[str, np.ndarray], num_ranks:
     num_experts = loads.shape[1]
     if num_experts % num_ranks == 0:
         ident = np.tile(np.arange(num_experts), (int(moe.sum()), 1))
-        out["uniform_reference"] = float(uniform_reference(ident, num_ranks, tokens_per_step,
-                                                           top_k, rng, num_steps).mean())
+        out["uniform_reference"] = float(
+            uniform_reference(ident, num_ranks, tokens_per_step, top_k, rng, num_steps).mean()
+        )
     return out
 
 
-def evaluate(files_or_arrays: Sequence[str | Path | np.ndarray], num_ranks: int,
-             num_redundant: int, *, num_nodes: int = 1, steps: int = 5, noise: float = 0.2,
-             move_budget: float = 0.2, tokens_per_step: int = 4096, top_k: int = 8,
-             num_step_samples: int = 4, seed: int = 0) -> dict[str, Any]:
+def evaluate(
+    files_or_arrays: Sequence[str | Path | np.ndarray],
+    num_ranks: int,
+    num_redundant: int,
+    *,
+    num_nodes: int = 1,
+    steps: int = 5,
+    noise: float = 0.2,
+    move_budget: float = 0.2,
+    tokens_per_step: int = 4096,
+    top_k: int = 8,
+    num_step_samples: int = 4,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Per input (loads JSON path or [L, E] array): window balancedness of ours, the baseline and
     the identity layout (mean and worst MoE layer); co-located replicas; node spread (N > 1);
     plan times; a drift chain of `steps` rebalances (`_drift_report`); per-step balancedness
@@ -240,26 +290,52 @@ def evaluate(files_or_arrays: Sequence[str | Path | np.ndarray], num_ranks: int,
         base, ms_base = _timed(plan_from_scratch, loads, num_ranks, num_redundant)
         num_experts = loads.shape[1]
         ident = np.tile(np.arange(num_experts + num_redundant) % num_experts, (len(loads), 1))
-        plans = {"ours": ours.physical_to_logical, "baseline": base.physical_to_logical,
-                 "identity": ident}
+        plans = {
+            "ours": ours.physical_to_logical,
+            "baseline": base.physical_to_logical,
+            "identity": ident,
+        }
         moe = loads.sum(1) > 0
-        results.append({
-            "name": name,
-            "window": {k: window_balancedness(loads, v, num_ranks) for k, v in plans.items()},
-            "window_min_layer": {k: float(balancedness(loads, v, num_ranks)[moe].min(initial=1.0))
-                                 for k, v in plans.items()},
-            "colocated": {k: colocated_replicas(plans[k], num_ranks) for k in ("ours", "baseline")},
-            "node_spread": ({k: node_spread(plans[k], num_nodes, loads)
-                             for k in ("ours", "baseline")} if num_nodes > 1 else None),
-            "plan_ms": {"ours_scratch": ms_ours, "baseline": ms_base},
-            "drift": _drift_report(loads, num_ranks, num_redundant, num_nodes, steps, noise,
-                                   move_budget, rng),
-            "per_step": (_per_step_report(loads, plans, num_ranks, tokens_per_step, top_k,
-                                          num_step_samples, rng) if num_step_samples > 0 else None),
-        })
-    config = {"num_ranks": num_ranks, "num_redundant": num_redundant, "num_nodes": num_nodes,
-              "steps": steps, "noise": noise, "move_budget": move_budget,
-              "tokens_per_step": tokens_per_step, "top_k": top_k, "seed": seed}
+        results.append(
+            {
+                "name": name,
+                "window": {k: window_balancedness(loads, v, num_ranks) for k, v in plans.items()},
+                "window_min_layer": {
+                    k: float(balancedness(loads, v, num_ranks)[moe].min(initial=1.0))
+                    for k, v in plans.items()
+                },
+                "colocated": {
+                    k: colocated_replicas(plans[k], num_ranks) for k in ("ours", "baseline")
+                },
+                "node_spread": (
+                    {k: node_spread(plans[k], num_nodes, loads) for k in ("ours", "baseline")}
+                    if num_nodes > 1
+                    else None
+                ),
+                "plan_ms": {"ours_scratch": ms_ours, "baseline": ms_base},
+                "drift": _drift_report(
+                    loads, num_ranks, num_redundant, num_nodes, steps, noise, move_budget, rng
+                ),
+                "per_step": (
+                    _per_step_report(
+                        loads, plans, num_ranks, tokens_per_step, top_k, num_step_samples, rng
+                    )
+                    if num_step_samples > 0
+                    else None
+                ),
+            }
+        )
+    config = {
+        "num_ranks": num_ranks,
+        "num_redundant": num_redundant,
+        "num_nodes": num_nodes,
+        "steps": steps,
+        "noise": noise,
+        "move_budget": move_budget,
+        "tokens_per_step": tokens_per_step,
+        "top_k": top_k,
+        "seed": seed,
+    }
     return {"config": config, "results": results}
 
 
@@ -288,9 +364,11 @@ def format_table(report: dict[str, Any]) -> str:
     rebalances ("next": balancedness on the window after the one the plan was fitted on)."""
     widths = [w for _, w, _ in _COLUMNS]
 
-    def row(cells: list[str]) -> str:   # first column left-aligned, the others right-aligned
-        return " ".join(f"{c:{'<' if i == 0 else '>'}{width}}"
-                        for i, (c, width) in enumerate(zip(cells, widths, strict=True)))
+    def row(cells: list[str]) -> str:  # first column left-aligned, the others right-aligned
+        return " ".join(
+            f"{c:{'<' if i == 0 else '>'}{width}}"
+            for i, (c, width) in enumerate(zip(cells, widths, strict=True))
+        )
 
     lines = [row([h for h, _, _ in _COLUMNS])]
     lines.append("-" * len(lines[0]))
@@ -306,10 +384,13 @@ def format_table(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m pdmesh_eplb.simulate --loads FILES --ranks R --redundant S [--json OUT]`."""
-    p = argparse.ArgumentParser(prog="python -m pdmesh_eplb.simulate",
-                                description="Evaluate EPLB plans on expert-load files.")
-    p.add_argument("--loads", nargs="+", required=True,
-                   help='JSON files {"logical_count": [[float] * E] * L}')
+    p = argparse.ArgumentParser(
+        prog="python -m pdmesh_eplb.simulate",
+        description="Evaluate EPLB plans on expert-load files.",
+    )
+    p.add_argument(
+        "--loads", nargs="+", required=True, help='JSON files {"logical_count": [[float] * E] * L}'
+    )
     p.add_argument("--ranks", type=int, required=True)
     p.add_argument("--redundant", type=int, required=True)
     p.add_argument("--nodes", type=int, default=1)
@@ -323,10 +404,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the full report here")
     args = p.parse_args(argv)
     try:
-        report = evaluate(args.loads, args.ranks, args.redundant, num_nodes=args.nodes,
-                          steps=args.steps, noise=args.noise, move_budget=args.move_budget,
-                          tokens_per_step=args.tokens, top_k=args.top_k,
-                          num_step_samples=args.step_samples, seed=args.seed)
+        report = evaluate(
+            args.loads,
+            args.ranks,
+            args.redundant,
+            num_nodes=args.nodes,
+            steps=args.steps,
+            noise=args.noise,
+            move_budget=args.move_budget,
+            tokens_per_step=args.tokens,
+            top_k=args.top_k,
+            num_step_samples=args.step_samples,
+            seed=args.seed,
+        )
     except (OSError, ValueError) as exc:
         print(f"simulate: error: {exc}")
         return 2

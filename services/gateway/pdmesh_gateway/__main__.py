@@ -1,4 +1,6 @@
-"""`python -m pdmesh_gateway [options]`: what the gateway container runs (same options as `pdmesh serve gateway`)."""
+"""`python -m pdmesh_gateway [options]`: what the gateway container runs (same options as `pdmesh
+serve gateway`)."""
+
 import sys
 
 from pdmesh_gateway import server

@@ -1,13 +1,14 @@
 """Admission to prefill ranks at the gateway (pure asyncio: no grpc, redis or torch).
 
-Contract: a disaggregated request holds one slot of one prefill rank from before its decode Reserve to
-the end of its Prefill, so decode blocks are only reserved for prompts a prefill rank is about to run
-(not for prompts sitting in its queue, whose reservations would outlive their lease and starve decode).
-Each rank has `limit` slots. Requests wait in ONE first-come-first-served queue; the rank is picked when
-the request is admitted: the one with the fewest slots in use among those with a free slot, ties broken
-in turn. A waiter cancelled (client gone, timeout) leaves the queue without having touched a worker; one
-cancelled just after being granted gives its slot back.
+Contract: a disaggregated request holds one slot of one prefill rank from before its decode Reserve
+to the end of its Prefill, so decode blocks are only reserved for prompts a prefill rank is about to
+run (not for prompts sitting in its queue, whose reservations would outlive their lease and starve
+decode). Each rank has `limit` slots. Requests wait in ONE first-come-first-served queue; the rank
+is picked when the request is admitted: the one with the fewest slots in use among those with a free
+slot, ties broken in turn. A waiter cancelled (client gone, timeout) leaves the queue without having
+touched a worker; one cancelled just after being granted gives its slot back.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +16,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-RECHECK_S = 0.25          # waiters also re-read the usable ranks this often (ranks come and go)
+RECHECK_S = 0.25  # waiters also re-read the usable ranks this often (ranks come and go)
 
 
 @dataclass(eq=False)
@@ -43,8 +44,8 @@ class PrefillAdmission:
         return self._in_flight.get(rank, 0)
 
     async def acquire(self, ranks: Callable[[], Sequence[str]]) -> str | None:
-        """A slot of one of `ranks()` (the usable prefill rank ids), waiting in FCFS order; None at once when
-        there is no usable rank at all (the caller does without a prefill rank)."""
+        """A slot of one of `ranks()` (the usable prefill rank ids), waiting in FCFS order; None at
+        once when there is no usable rank at all (the caller does without a prefill rank)."""
         waiter = _Waiter(ranks, asyncio.get_running_loop().create_future())
         self._queue.append(waiter)
         self._grant()
@@ -54,11 +55,15 @@ class PrefillAdmission:
                 self._grant()
             return waiter.future.result()
         except asyncio.CancelledError:
-            if waiter.future.done() and not waiter.future.cancelled() and waiter.future.result() is not None:
-                self.release(waiter.future.result())       # granted just before the cancel: give it back
+            if (
+                waiter.future.done()
+                and not waiter.future.cancelled()
+                and waiter.future.result() is not None
+            ):
+                self.release(waiter.future.result())  # granted just before the cancel: give it back
             elif waiter in self._queue:
                 self._queue.remove(waiter)
-                self._grant()                               # the next one may fit where this one did not
+                self._grant()  # the next one may fit where this one did not
             raise
 
     def release(self, rank: str) -> None:

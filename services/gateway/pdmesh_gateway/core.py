@@ -2,13 +2,14 @@
 
 Both transports (OpenAI REST in `openai_api`/`rest`, gRPC in `servicer`) turn their input into a
 `GenerationRequest` with `build_request`, and read `GenerationEvent`s from the orchestrator.
-Chain: GenerateRequest(pb) / JSON body → GenerationRequest → (workers) TokenChunk(pb) → WorkerChunk →
-GenerationEvent → GenerationResult (folded, non-streaming) → GenerateResponse(pb) / JSON.
+Chain: GenerateRequest(pb) / JSON body → GenerationRequest → (workers) TokenChunk(pb) → WorkerChunk
+→ GenerationEvent → GenerationResult (folded, non-streaming) → GenerateResponse(pb) / JSON.
 These are the gateway's internal types; the SDK (`pdmesh_client`) has its own public `Chunk` and
 `Completion`, built from the gateway's pb answers.
 Every rejection is an `InvalidArgument` (400) whose `param` names the offending field, or a
 `NotFound` (404) for an unknown model. No grpc, redis or torch here.
 """
+
 from __future__ import annotations
 
 import uuid
@@ -22,11 +23,13 @@ from pdmesh_service.errors import InvalidArgument, NotFound
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
-SAMPLING_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams))   # the engine's names
+# the engine's names
+SAMPLING_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams))
 
 
 def invalid(param: str | None, message: str) -> InvalidArgument:
-    """An InvalidArgument that names the request field it is about (`param`, OpenAI's error field)."""
+    """An InvalidArgument that names the request field it is about (`param`, OpenAI's error
+    field)."""
     return InvalidArgument(message, param=param)
 
 
@@ -91,21 +94,22 @@ class Usage:
 
 @dataclass(frozen=True)
 class WorkerChunk:
-    """What a worker sent for a request (a decode `TokenChunk`, or the prefill's first token), before the
-    gateway applies stop strings and detokenizes. finish_reason: "stop" | "length" | "abort" | None."""
+    """What a worker sent for a request (a decode `TokenChunk`, or the prefill's first token),
+    before the gateway applies stop strings and detokenizes. finish_reason: "stop" | "length" |
+    "abort" | None."""
 
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: str | None = None
-    stop_token_id: int = 0               # the stop token that ended the request (finish "stop"), else 0
-    num_prompt_tokens: int = 0           # 0: not told (only the last chunk tells)
+    stop_token_id: int = 0  # the stop token that ended the request (finish "stop"), else 0
+    num_prompt_tokens: int = 0  # 0: not told (only the last chunk tells)
     num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
 class GenerationEvent:
-    """What the client is shown next: tokens and text produced since the previous event (stop strings
-    applied); the last one has finish_reason and usage.
+    """What the client is shown next: tokens and text produced since the previous event (stop
+    strings applied); the last one has finish_reason and usage.
 
     finish_reason: "stop" | "length" | "abort"; stop_reason: the stop string or stop token id.
     """
@@ -134,7 +138,11 @@ class GenerationResult:
         self.token_ids.extend(event.token_ids)
         self.logprobs.extend(event.logprobs)
         if event.finish_reason is not None:
-            self.finish_reason, self.stop_reason, self.usage = event.finish_reason, event.stop_reason, event.usage
+            self.finish_reason, self.stop_reason, self.usage = (
+                event.finish_reason,
+                event.stop_reason,
+                event.usage,
+            )
 
 
 def fold(events: Iterable[GenerationEvent]) -> GenerationResult:
@@ -146,10 +154,14 @@ def fold(events: Iterable[GenerationEvent]) -> GenerationResult:
 
 # ----- validation ------------------------------------------------------------------------------
 
+
 def check_prompt_ids(ids: Any, model: ModelInfo, param: str = "prompt") -> tuple[int, ...]:
-    """Token ids as a tuple: a non-empty list of ints in [0, vocab_size) (the engine's `check_prompt`)."""
+    """Token ids as a tuple: a non-empty list of ints in [0, vocab_size) (the engine's
+    `check_prompt`)."""
     if not isinstance(ids, (list, tuple)):
-        raise invalid(param, f"{param} token ids must be a list of integers, got {type(ids).__name__}")
+        raise invalid(
+            param, f"{param} token ids must be a list of integers, got {type(ids).__name__}"
+        )
     try:
         check_prompt(ids, vocab_size=model.vocab_size)
     except PromptError as e:
@@ -157,31 +169,49 @@ def check_prompt_ids(ids: Any, model: ModelInfo, param: str = "prompt") -> tuple
     return tuple(ids)
 
 
-def check_context(num_prompt: int, max_tokens: int, model: ModelInfo, prompt_param: str = "prompt",
-                  max_tokens_param: str = "max_tokens") -> None:
+def check_context(
+    num_prompt: int,
+    max_tokens: int,
+    model: ModelInfo,
+    prompt_param: str = "prompt",
+    max_tokens_param: str = "max_tokens",
+) -> None:
     """The prompt plus max_tokens must fit the context (as vLLM: over the context is a 400)."""
     if num_prompt >= model.max_model_len:
-        raise invalid(prompt_param, f"This model's maximum context length is {model.max_model_len} tokens. "
-                                    f"However, your prompt has {num_prompt} tokens (at least one token must "
-                                    f"be left for the completion).")
+        raise invalid(
+            prompt_param,
+            f"This model's maximum context length is {model.max_model_len} tokens. "
+            f"However, your prompt has {num_prompt} tokens (at least one token must "
+            f"be left for the completion).",
+        )
     if num_prompt + max_tokens > model.max_model_len:
-        raise invalid(max_tokens_param, f"This model's maximum context length is {model.max_model_len} tokens. "
-                                        f"However, you requested {num_prompt + max_tokens} tokens ({num_prompt} in "
-                                        f"the prompt, {max_tokens} for the completion). Please reduce the prompt "
-                                        f"or {max_tokens_param}.")
+        raise invalid(
+            max_tokens_param,
+            f"This model's maximum context length is {model.max_model_len} tokens. "
+            f"However, you requested {num_prompt + max_tokens} tokens ({num_prompt} in "
+            f"the prompt, {max_tokens} for the completion). Please reduce the prompt "
+            f"or {max_tokens_param}.",
+        )
 
 
 def _check_stop(stop: Any, param: str) -> None:
     items = [stop] if isinstance(stop, str) else stop
     if isinstance(items, (list, tuple)):
         if len(items) > MAX_STOP_STRINGS:
-            raise invalid(param, f"{param} takes at most {MAX_STOP_STRINGS} strings, got {len(items)}")
+            raise invalid(
+                param, f"{param} takes at most {MAX_STOP_STRINGS} strings, got {len(items)}"
+            )
         if any(isinstance(s, str) and len(s) > MAX_STOP_STRING_CHARS for s in items):
-            raise invalid(param, f"{param} strings must be at most {MAX_STOP_STRING_CHARS} characters")
+            raise invalid(
+                param, f"{param} strings must be at most {MAX_STOP_STRING_CHARS} characters"
+            )
 
 
-def sampling_params(values: Mapping[str, Any], names: Mapping[str, str] | None = None) -> SamplingParams:
-    """SamplingParams from engine-named fields (None = default); `names` maps them to the API's names."""
+def sampling_params(
+    values: Mapping[str, Any], names: Mapping[str, str] | None = None
+) -> SamplingParams:
+    """SamplingParams from engine-named fields (None = default); `names` maps them to the API's
+    names."""
     names = names or {}
     if values.get("stop") is not None:
         _check_stop(values["stop"], names.get("stop", "stop"))
@@ -189,25 +219,41 @@ def sampling_params(values: Mapping[str, Any], names: Mapping[str, str] | None =
         return SamplingParams.from_dict({k: v for k, v in values.items() if v is not None})
     except ValueError as e:
         message = str(e)
-        field_name = max((f for f in SAMPLING_FIELDS if message.startswith(f + " ")), key=len, default=None)
+        field_name = max(
+            (f for f in SAMPLING_FIELDS if message.startswith(f + " ")), key=len, default=None
+        )
         if field_name is None:
             raise invalid(None, message) from None
-        param = names.get(field_name, field_name)          # the API's name for the field the message names
-        raise invalid(param, param + message[len(field_name):]) from None
+        param = names.get(field_name, field_name)  # the API's name for the field the message names
+        raise invalid(param, param + message[len(field_name) :]) from None
 
 
-def build_request(request_id: str, prompt_ids: Sequence[int], values: Mapping[str, Any], model: ModelInfo,
-                  model_name: str, *, default_max_tokens: int | None = 16,
-                  names: Mapping[str, str] | None = None, prompt_param: str = "prompt") -> GenerationRequest:
-    """Validate sampling values against the prompt and the model; None max_tokens default = rest of context."""
+def build_request(
+    request_id: str,
+    prompt_ids: Sequence[int],
+    values: Mapping[str, Any],
+    model: ModelInfo,
+    model_name: str,
+    *,
+    default_max_tokens: int | None = 16,
+    names: Mapping[str, str] | None = None,
+    prompt_param: str = "prompt",
+) -> GenerationRequest:
+    """Validate sampling values against the prompt and the model; None max_tokens default = rest of
+    context."""
     names = names or {}
     ids = check_prompt_ids(list(prompt_ids), model, prompt_param)
     values = dict(values)
     if values.get("max_tokens") is None:
-        remaining = max(model.max_model_len - len(ids), 1)   # <= 0 left: check_context rejects the prompt
-        values["max_tokens"] = remaining if default_max_tokens is None else min(default_max_tokens, remaining)
+        # <= 0 left: check_context rejects the prompt
+        remaining = max(model.max_model_len - len(ids), 1)
+        values["max_tokens"] = (
+            remaining if default_max_tokens is None else min(default_max_tokens, remaining)
+        )
     params = sampling_params(values, names)
-    check_context(len(ids), params.max_tokens, model, prompt_param, names.get("max_tokens", "max_tokens"))
+    check_context(
+        len(ids), params.max_tokens, model, prompt_param, names.get("max_tokens", "max_tokens")
+    )
     try:
         params.validate_for_vocab(model.vocab_size)
     except ValueError as e:
@@ -216,6 +262,7 @@ def build_request(request_id: str, prompt_ids: Sequence[int], values: Mapping[st
 
 
 # ----- stop strings ----------------------------------------------------------------------------
+
 
 class TextStream:
     """Text of a generated token stream with stop strings applied at the gateway.
@@ -226,8 +273,12 @@ class TextStream:
     `stop_hit` is set; nothing more is emitted afterwards. `finish()` flushes the held-back text.
     """
 
-    def __init__(self, detokenizer: IncrementalDetokenizer, stop: Sequence[str] = (),
-                 include_stop: bool = False) -> None:
+    def __init__(
+        self,
+        detokenizer: IncrementalDetokenizer,
+        stop: Sequence[str] = (),
+        include_stop: bool = False,
+    ) -> None:
         self._detok = detokenizer
         self._stop = tuple(stop)
         self._include = include_stop
@@ -243,7 +294,11 @@ class TextStream:
     def push(self, token_ids: Sequence[int]) -> str:
         if self.stop_hit is None and token_ids:
             self._append(self._detok.push(list(token_ids)))
-        end = len(self._text) if self.stop_hit else max(self._emitted, len(self._text) - self._holdback)
+        end = (
+            len(self._text)
+            if self.stop_hit
+            else max(self._emitted, len(self._text) - self._holdback)
+        )
         return self._emit(end)
 
     def finish(self) -> str:
@@ -259,10 +314,10 @@ class TextStream:
         hit = find_stop_string(self._text, self._stop, len(new)) if self._stop else None
         if hit is not None:
             index, stop = hit
-            self._text = self._text[:index + (len(stop) if self._include else 0)]
+            self._text = self._text[: index + (len(stop) if self._include else 0)]
             self.stop_hit = stop
 
     def _emit(self, end: int) -> str:
-        delta = self._text[self._emitted:end]
+        delta = self._text[self._emitted : end]
         self._emitted = max(self._emitted, end)
         return delta

@@ -1,6 +1,8 @@
 """The gateway's Prometheus metrics: one `GatewayMetrics` per process, made by `server.serve` on the
-process registry and passed to the orchestrator (tests make theirs on a private `CollectorRegistry`).
-Registering two on one registry is an error (prometheus_client refuses duplicate names)."""
+process registry and passed to the orchestrator (tests make theirs on a private
+`CollectorRegistry`). Registering two on one registry is an error (prometheus_client refuses
+duplicate names)."""
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -16,27 +18,53 @@ class GatewayMetrics:
     """Request counts by final status, latencies and token counts."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.requests = Counter("pdmesh_requests", "Requests by final status", ["status"], registry=registry)
-        self.ttft = Histogram("pdmesh_time_to_first_token_seconds", "Time to first token", registry=registry,
-                              buckets=_LATENCY_BUCKETS)
-        self.tpot = Histogram("pdmesh_time_per_output_token_seconds", "Time per output token after the first",
-                              registry=registry, buckets=_TOKEN_BUCKETS)
-        self.e2e = Histogram("pdmesh_e2e_request_latency_seconds", "Request latency", registry=registry,
-                             buckets=_LATENCY_BUCKETS)
-        self.in_flight = Gauge("pdmesh_requests_in_flight", "Requests being generated", registry=registry)
-        self.waiting = Gauge("pdmesh_gateway_requests_waiting", "Requests queued at the gateway (for a prefill "
-                             "slot or for decode KV blocks), part of the in-flight ones", registry=registry)
+        self.requests = Counter(
+            "pdmesh_requests", "Requests by final status", ["status"], registry=registry
+        )
+        self.ttft = Histogram(
+            "pdmesh_time_to_first_token_seconds",
+            "Time to first token",
+            registry=registry,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.tpot = Histogram(
+            "pdmesh_time_per_output_token_seconds",
+            "Time per output token after the first",
+            registry=registry,
+            buckets=_TOKEN_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "pdmesh_e2e_request_latency_seconds",
+            "Request latency",
+            registry=registry,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.in_flight = Gauge(
+            "pdmesh_requests_in_flight", "Requests being generated", registry=registry
+        )
+        self.waiting = Gauge(
+            "pdmesh_gateway_requests_waiting",
+            "Requests queued at the gateway (for a prefill "
+            "slot or for decode KV blocks), part of the in-flight ones",
+            registry=registry,
+        )
         self.prompt_tokens = Counter("pdmesh_prompt_tokens", "Prompt tokens", registry=registry)
-        self.generation_tokens = Counter("pdmesh_generation_tokens", "Generated tokens", registry=registry)
-        self.cached_tokens = Counter("pdmesh_cached_prompt_tokens", "Prompt tokens served from a prefix cache",
-                                     registry=registry)
+        self.generation_tokens = Counter(
+            "pdmesh_generation_tokens", "Generated tokens", registry=registry
+        )
+        self.cached_tokens = Counter(
+            "pdmesh_cached_prompt_tokens",
+            "Prompt tokens served from a prefix cache",
+            registry=registry,
+        )
 
     def rejected(self, error: MeshError) -> None:
         """A request refused before generation (validation, unknown model)."""
         self.requests.labels(status=error.error_type).inc()
 
     def ended(self, progress: RequestProgress, status: str) -> None:
-        """A request that was generated ended (`status`: success, aborted, cancelled or an error type)."""
+        """A request that was generated ended (`status`: success, aborted, cancelled or an error
+        type)."""
         self.requests.labels(status=status).inc()
         if progress.first_token_at:
             self.ttft.observe(progress.first_token_at - progress.started_at)
@@ -45,5 +73,7 @@ class GatewayMetrics:
             self.prompt_tokens.inc(len(progress.request.prompt_ids))
             self.cached_tokens.inc(progress.num_cached_tokens)
             if progress.num_tokens > 1:
-                self.tpot.observe((progress.ended_at - progress.first_token_at) / (progress.num_tokens - 1))
+                self.tpot.observe(
+                    (progress.ended_at - progress.first_token_at) / (progress.num_tokens - 1)
+                )
         self.generation_tokens.inc(progress.num_tokens)

@@ -6,6 +6,7 @@ include_stop_str_in_output, skip_special_tokens, add_generation_prompt (chat). F
 does not implement (n > 1, echo, suffix, penalties, logit_bias, tools, structured output) are
 rejected with a 400 naming the field rather than silently ignored.
 """
+
 from __future__ import annotations
 
 import time
@@ -14,32 +15,53 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdmesh_engine.tokenizer import Tokenizer
-from pdmesh_gateway.core import (SAMPLING_FIELDS, GenerationEvent, GenerationRequest, GenerationResult, ModelInfo,
-                                 TokenLogprob, Usage, build_request, invalid, new_request_id)
+from pdmesh_gateway.core import (
+    SAMPLING_FIELDS,
+    GenerationEvent,
+    GenerationRequest,
+    GenerationResult,
+    ModelInfo,
+    TokenLogprob,
+    Usage,
+    build_request,
+    invalid,
+    new_request_id,
+)
 from pdmesh_service.errors import MeshError
 
-# Body fields read as sampling settings under the engine's names; max_tokens and logprobs have their own
-# rules per endpoint (max_completion_tokens, chat's logprobs/top_logprobs).
+# Body fields read as sampling settings under the engine's names; max_tokens and logprobs have their
+# own rules per endpoint (max_completion_tokens, chat's logprobs/top_logprobs).
 _BODY_SAMPLING = tuple(name for name in SAMPLING_FIELDS if name not in ("max_tokens", "logprobs"))
 # field -> the only values accepted (None always is): features we do not implement.
-_UNSUPPORTED = {"n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "frequency_penalty": (0, 0.0),
-                "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "logit_bias": ({},),
-                "tools": ([],), "functions": ([],), "tool_choice": ("none",),
-                "response_format": ({"type": "text"},)}
+_UNSUPPORTED = {
+    "n": (1,),
+    "best_of": (1,),
+    "echo": (False,),
+    "suffix": ("",),
+    "frequency_penalty": (0, 0.0),
+    "presence_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "functions": ([],),
+    "tool_choice": ("none",),
+    "response_format": ({"type": "text"},),
+}
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
 class OpenAIRequest:
-    kind: str                  # "completion" | "chat"
+    kind: str  # "completion" | "chat"
     request: GenerationRequest
     stream: bool
     include_usage: bool
-    logprobs: bool             # return logprobs in the response
+    logprobs: bool  # return logprobs in the response
     created: int
 
 
 # ----- parsing ---------------------------------------------------------------------------------
+
 
 def _object(body: Any) -> Mapping[str, Any]:
     if not isinstance(body, Mapping):
@@ -52,7 +74,9 @@ def _check_unsupported(body: Mapping[str, Any]) -> None:
         value = body.get(name)
         if value is not None and not any(value == a and type(value) is type(a) for a in allowed):
             shown = " or ".join(repr(a) for a in allowed)
-            raise invalid(name, f"{name}={value!r} is not supported by this server (only {shown} or null)")
+            raise invalid(
+                name, f"{name}={value!r} is not supported by this server (only {shown} or null)"
+            )
 
 
 def _stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool]:
@@ -68,7 +92,9 @@ def _stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool]:
         raise invalid("stream_options", "stream_options must be an object")
     include = options.get("include_usage")
     if include is not None and not isinstance(include, bool):
-        raise invalid("stream_options.include_usage", f"include_usage must be true or false, got {include!r}")
+        raise invalid(
+            "stream_options.include_usage", f"include_usage must be true or false, got {include!r}"
+        )
     return True, bool(include)
 
 
@@ -85,8 +111,10 @@ def _completion_prompt(prompt: Any, tokenizer: Tokenizer) -> list[int]:
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         raise invalid("prompt", f"only one prompt per request is supported, got {len(prompt)}")
     if isinstance(prompt, list):
-        return prompt           # ids: checked by build_request
-    raise invalid("prompt", f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        return prompt  # ids: checked by build_request
+    raise invalid(
+        "prompt", f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+    )
 
 
 def parse_completion(body: Any, tokenizer: Tokenizer, model: ModelInfo) -> OpenAIRequest:
@@ -98,9 +126,17 @@ def parse_completion(body: Any, tokenizer: Tokenizer, model: ModelInfo) -> OpenA
     ids = _completion_prompt(body.get("prompt"), tokenizer)
     values = {k: body.get(k) for k in _BODY_SAMPLING}
     values["max_tokens"], values["logprobs"] = body.get("max_tokens"), body.get("logprobs")
-    request = build_request(new_request_id("cmpl"), ids, values, model, model_name, default_max_tokens=16)
-    return OpenAIRequest("completion", request, stream, include_usage, request.params.logprobs is not None,
-                         int(time.time()))
+    request = build_request(
+        new_request_id("cmpl"), ids, values, model, model_name, default_max_tokens=16
+    )
+    return OpenAIRequest(
+        "completion",
+        request,
+        stream,
+        include_usage,
+        request.params.logprobs is not None,
+        int(time.time()),
+    )
 
 
 def _message_content(content: Any, role: str, index: int) -> str:
@@ -114,11 +150,19 @@ def _message_content(content: Any, role: str, index: int) -> str:
     if isinstance(content, list):
         parts = []
         for part in content:
-            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise invalid(param, "only text content parts ({\"type\": \"text\", \"text\": ...}) are supported")
+            if (
+                not isinstance(part, Mapping)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise invalid(
+                    param, 'only text content parts ({"type": "text", "text": ...}) are supported'
+                )
             parts.append(part["text"])
         return "".join(parts)
-    raise invalid(param, f"content must be a string or a list of text parts, got {type(content).__name__}")
+    raise invalid(
+        param, f"content must be a string or a list of text parts, got {type(content).__name__}"
+    )
 
 
 def _messages(messages: Any) -> list[dict[str, str]]:
@@ -129,10 +173,14 @@ def _messages(messages: Any) -> list[dict[str, str]]:
     result = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
-            raise invalid(f"messages[{i}]", f"each message must be an object, got {type(m).__name__}")
+            raise invalid(
+                f"messages[{i}]", f"each message must be an object, got {type(m).__name__}"
+            )
         role = m.get("role")
         if role not in _CHAT_ROLES:
-            raise invalid(f"messages[{i}].role", f"role must be one of {', '.join(_CHAT_ROLES)}, got {role!r}")
+            raise invalid(
+                f"messages[{i}].role", f"role must be one of {', '.join(_CHAT_ROLES)}, got {role!r}"
+            )
         role = "system" if role == "developer" else role
         result.append({"role": role, "content": _message_content(m.get("content"), role, i)})
     return result
@@ -148,7 +196,8 @@ def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
 
 
 def parse_chat(body: Any, tokenizer: Tokenizer, model: ModelInfo) -> OpenAIRequest:
-    """A validated /v1/chat/completions request (messages rendered with the model's chat template)."""
+    """A validated /v1/chat/completions request (messages rendered with the model's chat
+    template)."""
     body = _object(body)
     model_name = model.resolve(body.get("model"))
     _check_unsupported(body)
@@ -156,83 +205,152 @@ def parse_chat(body: Any, tokenizer: Tokenizer, model: ModelInfo) -> OpenAIReque
     messages = _messages(body.get("messages"))
     add_prompt = body.get("add_generation_prompt", True)
     if not isinstance(add_prompt, bool):
-        raise invalid("add_generation_prompt", f"add_generation_prompt must be true or false, got {add_prompt!r}")
+        raise invalid(
+            "add_generation_prompt",
+            f"add_generation_prompt must be true or false, got {add_prompt!r}",
+        )
     try:
         ids = tokenizer.encode_chat(messages, add_generation_prompt=add_prompt)
     except ValueError as e:
         raise invalid("messages", str(e)) from None
-    max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_name = (
+        "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    )
     values = {k: body.get(k) for k in _BODY_SAMPLING}
     values["max_tokens"], values["logprobs"] = body.get(max_name), _chat_logprobs(body)
-    request = build_request(new_request_id("chatcmpl"), ids, values, model, model_name, default_max_tokens=None,
-                            names={"max_tokens": max_name, "logprobs": "top_logprobs"}, prompt_param="messages")
-    return OpenAIRequest("chat", request, stream, include_usage, request.params.logprobs is not None,
-                         int(time.time()))
+    request = build_request(
+        new_request_id("chatcmpl"),
+        ids,
+        values,
+        model,
+        model_name,
+        default_max_tokens=None,
+        names={"max_tokens": max_name, "logprobs": "top_logprobs"},
+        prompt_param="messages",
+    )
+    return OpenAIRequest(
+        "chat",
+        request,
+        stream,
+        include_usage,
+        request.params.logprobs is not None,
+        int(time.time()),
+    )
 
 
 # ----- responses -------------------------------------------------------------------------------
 
+
 def usage_dict(usage: Usage | None) -> dict[str, Any]:
     usage = usage or Usage(0, 0)
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
 
 
 def error_body(error: MeshError) -> dict[str, Any]:
     """OpenAI's error shape {"error": {message, type, param, code}}."""
-    return {"error": {"message": str(error), "type": error.error_type, "param": error.param, "code": error.code}}
+    return {
+        "error": {
+            "message": str(error),
+            "type": error.error_type,
+            "param": error.param,
+            "code": error.code,
+        }
+    }
 
 
 def models_response(model: ModelInfo) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": model.name, "object": "model", "created": model.created,
-                                        "owned_by": "pdmesh", "root": model.root, "parent": None,
-                                        "max_model_len": model.max_model_len}]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": model.name,
+                "object": "model",
+                "created": model.created,
+                "owned_by": "pdmesh",
+                "root": model.root,
+                "parent": None,
+                "max_model_len": model.max_model_len,
+            }
+        ],
+    }
 
 
 class Shaper:
-    """Shapes one request's events into OpenAI objects; keeps the stream state (text_offset, role sent)."""
+    """Shapes one request's events into OpenAI objects; keeps the stream state (text_offset, role
+    sent)."""
 
     def __init__(self, api_request: OpenAIRequest, tokenizer: Tokenizer) -> None:
         self.api_request, self.tokenizer = api_request, tokenizer
         self._offset = 0
         self._role_sent = False
-        self._object = "text_completion" if api_request.kind == "completion" else "chat.completion.chunk"
+        self._object = (
+            "text_completion" if api_request.kind == "completion" else "chat.completion.chunk"
+        )
 
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _completion_logprobs(self, lps: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> dict[str, Any]:
+    def _completion_logprobs(
+        self, lps: list[TokenLogprob] | tuple[TokenLogprob, ...]
+    ) -> dict[str, Any]:
         tokens = [self._token(lp.token_id) for lp in lps]
         offsets = []
         for token in tokens:
             offsets.append(self._offset)
             self._offset += len(token)
         top = [{self._token(t): v for t, v in lp.top} for lp in lps]
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps], "top_logprobs": top,
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
 
     def _chat_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         token = self._token(token_id)
         return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
     def _chat_logprobs(self, lps: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> dict[str, Any]:
-        content = [{**self._chat_entry(lp.token_id, lp.logprob),
-                    "top_logprobs": [self._chat_entry(t, v) for t, v in lp.top]} for lp in lps]
+        content = [
+            {
+                **self._chat_entry(lp.token_id, lp.logprob),
+                "top_logprobs": [self._chat_entry(t, v) for t, v in lp.top],
+            }
+            for lp in lps
+        ]
         return {"content": content, "refusal": None}
 
     def _logprobs(self, lps: Any) -> dict[str, Any] | None:
         if not self.api_request.logprobs:
             return None
-        return self._completion_logprobs(lps) if self.api_request.kind == "completion" else self._chat_logprobs(lps)
+        return (
+            self._completion_logprobs(lps)
+            if self.api_request.kind == "completion"
+            else self._chat_logprobs(lps)
+        )
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.api_request.request.request_id, "object": obj, "created": self.api_request.created,
-                "model": self.api_request.request.model, "choices": choices}
+        return {
+            "id": self.api_request.request.request_id,
+            "object": obj,
+            "created": self.api_request.created,
+            "model": self.api_request.request.model,
+            "choices": choices,
+        }
 
     def response(self, result: GenerationResult) -> dict[str, Any]:
         """The non-streaming response object."""
-        choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(result.logprobs),
-                                  "finish_reason": result.finish_reason, "stop_reason": result.stop_reason}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "logprobs": self._logprobs(result.logprobs),
+            "finish_reason": result.finish_reason,
+            "stop_reason": result.stop_reason,
+        }
         if self.api_request.kind == "completion":
             choice["text"] = result.text
             obj = "text_completion"
@@ -246,13 +364,19 @@ class Shaper:
         out = []
         if self.api_request.kind == "chat" and not self._role_sent:
             self._role_sent = True
-            out.append(self._chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None}))
+            out.append(
+                self._chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None})
+            )
         has_logprobs = self.api_request.logprobs and event.logprobs
         if event.text or has_logprobs or event.finish_reason is not None:
             if self.api_request.kind == "completion":
                 body = {"text": event.text}
             else:
-                body = {"delta": {"content": event.text} if event.text or not event.finish_reason else {}}
+                body = {
+                    "delta": {"content": event.text}
+                    if event.text or not event.finish_reason
+                    else {}
+                }
             body["logprobs"] = self._logprobs(event.logprobs) if has_logprobs else None
             body["finish_reason"], body["stop_reason"] = event.finish_reason, event.stop_reason
             out.append(self._chunk(body))

@@ -1,23 +1,34 @@
 """One request's progress: worker chunks in, client events out (pure: no grpc, redis or torch).
 
-`RequestProgress.event(chunk)` applies stop strings (`TextStream`) and detokenizes, counts tokens and
-keeps the timings the metrics need. Contract: once an event carried a finish_reason, `finished` is
-set and later chunks are not expected (the orchestrator stops reading).
+`RequestProgress.event(chunk)` applies stop strings (`TextStream`) and detokenizes, counts tokens
+and keeps the timings the metrics need. Contract: once an event carried a finish_reason, `finished`
+is set and later chunks are not expected (the orchestrator stops reading).
 """
+
 from __future__ import annotations
 
 import time
 
 from pdmesh_engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from pdmesh_gateway.core import (GenerationEvent, GenerationRequest, TextStream, TokenLogprob, Usage, WorkerChunk)
+from pdmesh_gateway.core import (
+    GenerationEvent,
+    GenerationRequest,
+    TextStream,
+    TokenLogprob,
+    Usage,
+    WorkerChunk,
+)
 
 
 class RequestProgress:
-    """Detokenized text with stop strings, token counts and timings (time.monotonic) of one request."""
+    """Detokenized text with stop strings, token counts and timings (time.monotonic) of one
+    request."""
 
     def __init__(self, request: GenerationRequest, tokenizer: Tokenizer) -> None:
         params = request.params
-        detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_ids, params.skip_special_tokens)
+        detokenizer = IncrementalDetokenizer(
+            tokenizer, request.prompt_ids, params.skip_special_tokens
+        )
         self.request = request
         self.text = TextStream(detokenizer, params.stop, params.include_stop_str_in_output)
         self.num_tokens, self.num_cached_tokens = 0, 0

@@ -1,9 +1,11 @@
-"""The OpenAI-compatible REST API (Starlette): route handlers over `openai_api` and the orchestrator.
+"""The OpenAI-compatible REST API (Starlette): route handlers over `openai_api` and the
+orchestrator.
 
 Domain errors become OpenAI error objects here (one place). Streams are SSE `data: {...}` chunks
 ending with `data: [DONE]`; an error after the first chunk is sent as a `data: {"error": ...}`
 chunk. A client that disconnects cancels the upstream work, streaming or not.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,7 +26,14 @@ from starlette.routing import Route
 
 from pdmesh_engine.tokenizer import Tokenizer
 from pdmesh_gateway.core import GenerationEvent, GenerationResult, ModelInfo
-from pdmesh_gateway.openai_api import (OpenAIRequest, Shaper, error_body, models_response, parse_chat, parse_completion)
+from pdmesh_gateway.openai_api import (
+    OpenAIRequest,
+    Shaper,
+    error_body,
+    models_response,
+    parse_chat,
+    parse_completion,
+)
 from pdmesh_gateway.orchestrator import Orchestrator
 from pdmesh_service.eplb_protocol import summarize_all
 from pdmesh_service.errors import InvalidArgument, MeshError
@@ -33,17 +42,24 @@ from pdmesh_service.logging import get_logger
 
 log = get_logger(__name__)
 T = TypeVar("T")
-_HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 400: "invalid_request_error"}
+_HTTP_ERROR_TYPES = {
+    404: "not_found_error",
+    405: "invalid_request_error",
+    400: "invalid_request_error",
+}
 
 
-# The rows of GET /mesh/eplb: one dict per (instance, model) (`EplbSummary.to_dict`), read from Redis.
+# The rows of GET /mesh/eplb: one dict per (instance, model) (`EplbSummary.to_dict`), read from
+# Redis.
 EplbView = Callable[[], Awaitable[list[dict[str, Any]]]]
 
 
 def eplb_view(redis: aioredis.Redis, deployment: str) -> EplbView:
     """The EPLB state of `deployment` as eplb_protocol keeps it in Redis."""
+
     async def rows() -> list[dict[str, Any]]:
         return [s.to_dict() for s in await summarize_all(redis, deployment, default_enabled=None)]
+
     return rows
 
 
@@ -98,8 +114,9 @@ class _EventStream(StreamingResponse):
                 await self.body_iterator.aclose()
 
 
-async def _stream_body(shaper: Shaper, first: GenerationEvent,
-                       events: AsyncGenerator[GenerationEvent, None]) -> AsyncIterator[str]:
+async def _stream_body(
+    shaper: Shaper, first: GenerationEvent, events: AsyncGenerator[GenerationEvent, None]
+) -> AsyncIterator[str]:
     try:
         event = first
         while True:
@@ -128,13 +145,25 @@ async def _collect(events: AsyncGenerator[GenerationEvent, None]) -> GenerationR
 class _Handlers:
     """Route handlers: each a few lines over openai_api and the orchestrator."""
 
-    def __init__(self, orchestrator: Orchestrator, tokenizer: Tokenizer, model: ModelInfo,
-                 registry: CollectorRegistry, eplb: EplbView | None = None) -> None:
-        self.orchestrator, self.tokenizer, self.model, self.registry = orchestrator, tokenizer, model, registry
+    def __init__(
+        self,
+        orchestrator: Orchestrator,
+        tokenizer: Tokenizer,
+        model: ModelInfo,
+        registry: CollectorRegistry,
+        eplb: EplbView | None = None,
+    ) -> None:
+        self.orchestrator, self.tokenizer, self.model, self.registry = (
+            orchestrator,
+            tokenizer,
+            model,
+            registry,
+        )
         self.eplb = eplb
 
-    async def _generate(self, request: Request,
-                        parse: Callable[[Any, Tokenizer, ModelInfo], OpenAIRequest]) -> Response:
+    async def _generate(
+        self, request: Request, parse: Callable[[Any, Tokenizer, ModelInfo], OpenAIRequest]
+    ) -> Response:
         try:
             api_request = parse(await _read_json(request), self.tokenizer, self.model)
         except MeshError as e:
@@ -145,7 +174,9 @@ class _Handlers:
         events = self.orchestrator.generate(api_request.request)
         try:
             if not api_request.stream:
-                return JSONResponse(shaper.response(await _unless_disconnected(request, _collect(events))))
+                return JSONResponse(
+                    shaper.response(await _unless_disconnected(request, _collect(events)))
+                )
             first = await _unless_disconnected(request, events.__anext__())
         except ClientGone:
             log.info("client disconnected", request_id=request_id)
@@ -154,8 +185,11 @@ class _Handlers:
         except BaseException:
             await events.aclose()
             raise
-        return _EventStream(_stream_body(shaper, first, events), media_type="text/event-stream",
-                            headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
+        return _EventStream(
+            _stream_body(shaper, first, events),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Request-Id": request_id},
+        )
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, parse_completion)
@@ -169,23 +203,33 @@ class _Handlers:
     async def health(self, _: Request) -> Response:
         """200 when a request can be routed now (a ready decode rank), else 503."""
         router, ok = self.orchestrator.router, self.orchestrator.is_routable()
-        body = {"status": "ok" if ok else "unavailable", "mode": self.orchestrator.mode.value,
-                "decode": len(router.ready(Role.DECODE)), "prefill": len(router.ready(Role.PREFILL))}
+        body = {
+            "status": "ok" if ok else "unavailable",
+            "mode": self.orchestrator.mode.value,
+            "decode": len(router.ready(Role.DECODE)),
+            "prefill": len(router.ready(Role.PREFILL)),
+        }
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics(self, _: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def mesh(self, _: Request) -> Response:
-        """`instances`: every registered instance rank with its role, rank, address, readiness and load;
-        `eplb`: what /mesh/eplb lists (expert placements per instance and model)."""
+        """`instances`: every registered instance rank with its role, rank, address, readiness and
+        load; `eplb`: what /mesh/eplb lists (expert placements per instance and model)."""
         now_ms = int(time.time() * 1000)
-        instances = [{**asdict(i), "age_ms": max(now_ms - i.updated_ms, 0)} for i in self.orchestrator.router.snapshot()]
-        return JSONResponse({"instances": instances, "eplb": await self.eplb() if self.eplb is not None else []})
+        instances = [
+            {**asdict(i), "age_ms": max(now_ms - i.updated_ms, 0)}
+            for i in self.orchestrator.router.snapshot()
+        ]
+        return JSONResponse(
+            {"instances": instances, "eplb": await self.eplb() if self.eplb is not None else []}
+        )
 
     async def mesh_eplb(self, _: Request) -> Response:
-        """Per (instance, model): placement version, the ranks' running versions, balancedness now, the
-        last rebalance (slots and bytes moved, plan ms), the Off switch (null: the controller's default)."""
+        """Per (instance, model): placement version, the ranks' running versions, balancedness now,
+        the last rebalance (slots and bytes moved, plan ms), the Off switch (null: the controller's
+        default)."""
         return JSONResponse(await self.eplb() if self.eplb is not None else [])
 
 
@@ -195,19 +239,36 @@ async def _mesh_error(_: Request, error: Exception) -> Response:
 
 async def _http_error(_: Request, error: Exception) -> Response:
     status = getattr(error, "status_code", 500)
-    body = {"error": {"message": str(getattr(error, "detail", error)), "param": None, "code": None,
-                      "type": _HTTP_ERROR_TYPES.get(status, "invalid_request_error")}}
+    body = {
+        "error": {
+            "message": str(getattr(error, "detail", error)),
+            "param": None,
+            "code": None,
+            "type": _HTTP_ERROR_TYPES.get(status, "invalid_request_error"),
+        }
+    }
     return JSONResponse(body, status_code=status)
 
 
-def create_app(orchestrator: Orchestrator, tokenizer: Tokenizer, model: ModelInfo,
-               registry: CollectorRegistry | None = None, eplb: EplbView | None = None) -> Starlette:
+def create_app(
+    orchestrator: Orchestrator,
+    tokenizer: Tokenizer,
+    model: ModelInfo,
+    registry: CollectorRegistry | None = None,
+    eplb: EplbView | None = None,
+) -> Starlette:
     """The gateway's HTTP app; `registry` is what /metrics exposes (default: the process registry),
     `eplb` what /mesh/eplb lists (none: an empty list)."""
     h = _Handlers(orchestrator, tokenizer, model, registry or REGISTRY, eplb)
-    routes = [Route("/v1/completions", h.completions, methods=["POST"]),
-              Route("/v1/chat/completions", h.chat, methods=["POST"]),
-              Route("/v1/models", h.models, methods=["GET"]), Route("/health", h.health, methods=["GET"]),
-              Route("/metrics", h.metrics, methods=["GET"]), Route("/mesh", h.mesh, methods=["GET"]),
-              Route("/mesh/eplb", h.mesh_eplb, methods=["GET"])]
-    return Starlette(routes=routes, exception_handlers={MeshError: _mesh_error, HTTPException: _http_error})
+    routes = [
+        Route("/v1/completions", h.completions, methods=["POST"]),
+        Route("/v1/chat/completions", h.chat, methods=["POST"]),
+        Route("/v1/models", h.models, methods=["GET"]),
+        Route("/health", h.health, methods=["GET"]),
+        Route("/metrics", h.metrics, methods=["GET"]),
+        Route("/mesh", h.mesh, methods=["GET"]),
+        Route("/mesh/eplb", h.mesh_eplb, methods=["GET"]),
+    ]
+    return Starlette(
+        routes=routes, exception_handlers={MeshError: _mesh_error, HTTPException: _http_error}
+    )

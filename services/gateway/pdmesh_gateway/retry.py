@@ -1,4 +1,5 @@
-"""What the gateway retries, and how long it waits (pure: no grpc, redis or torch; tenacity drives it).
+"""What the gateway retries, and how long it waits (pure: no grpc, redis or torch; tenacity drives
+it).
 
 Two loops, both before anything reached the client:
 - starting a request (`StartRetry`, around one Reserve → Prefill → Decode, or one Generate):
@@ -7,10 +8,11 @@ Two loops, both before anything reached the client:
     backoff, up to `max_attempts` tries in all;
   - anything else is final: `NoInstance` (no ready rank), `Overloaded` (waited until the timeout),
     DeadlineExceeded, InvalidArgument, a cancellation.
-- waiting for decode blocks (`BlocksWait`, around one pass over the decode ranks): a pass where every
-  rank was short of blocks (`DecodeFull`) is repeated with exponential backoff until the request's
-  deadline; then the request is `Overloaded` (503).
+- waiting for decode blocks (`BlocksWait`, around one pass over the decode ranks): a pass where
+  every rank was short of blocks (`DecodeFull`) is repeated with exponential backoff until the
+  request's deadline; then the request is `Overloaded` (503).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -21,35 +23,38 @@ from tenacity import RetryCallState
 from pdmesh_gateway.router import NoInstance
 from pdmesh_service import errors
 
-RETRY_BACKOFF_S, MAX_BACKOFF_S = 0.02, 0.5         # first wait before a retry, doubling up to the cap
+RETRY_BACKOFF_S, MAX_BACKOFF_S = 0.02, 0.5  # first wait before a retry, doubling up to the cap
 
 
 class HandoffLost(errors.Unavailable):
-    """The request's KV hand-off ended before decode admitted it (Prefill ABORTED: the reservation ended
-    before the KV was ready; Decode NOT_FOUND / DEADLINE_EXCEEDED before admission). Nothing reached the
-    client yet: retry the request from the start."""
+    """The request's KV hand-off ended before decode admitted it (Prefill ABORTED: the reservation
+    ended before the KV was ready; Decode NOT_FOUND / DEADLINE_EXCEEDED before admission). Nothing
+    reached the client yet: retry the request from the start."""
 
 
 class Overloaded(errors.ResourceExhausted):
-    """The request waited at the gateway (prefill slot, decode blocks) until its timeout (not retried)."""
+    """The request waited at the gateway (prefill slot, decode blocks) until its timeout (not
+    retried)."""
 
 
 class DecodeFull(errors.ResourceExhausted):
-    """Every decode rank left to try was short of KV blocks in this pass (wait, then try them again)."""
+    """Every decode rank left to try was short of KV blocks in this pass (wait, then try them
+    again)."""
 
 
 def is_rank_failure(error: BaseException) -> bool:
     """A rank failed in a way another rank (or the same one later) may not: worth another try."""
-    return isinstance(error, (errors.Unavailable, errors.ResourceExhausted)) and \
-        not isinstance(error, (NoInstance, Overloaded, HandoffLost))
+    return isinstance(error, (errors.Unavailable, errors.ResourceExhausted)) and not isinstance(
+        error, (NoInstance, Overloaded, HandoffLost)
+    )
 
 
 @dataclass(frozen=True)
 class RetryPolicy:
     """How often a request's start is tried again (see the module docstring)."""
 
-    max_attempts: int = 3                 # tries in all against failing ranks
-    handoff_retries: int = 1              # extra tries after lost hand-offs
+    max_attempts: int = 3  # tries in all against failing ranks
+    handoff_retries: int = 1  # extra tries after lost hand-offs
     backoff_s: float = RETRY_BACKOFF_S
     max_backoff_s: float = MAX_BACKOFF_S
 
@@ -59,10 +64,13 @@ class RetryPolicy:
         if self.handoff_retries < 0:
             raise ValueError(f"handoff_retries must be >= 0, got {self.handoff_retries}")
         if not 0 < self.backoff_s <= self.max_backoff_s:
-            raise ValueError(f"need 0 < backoff_s <= max_backoff_s, got {self.backoff_s}, {self.max_backoff_s}")
+            raise ValueError(
+                f"need 0 < backoff_s <= max_backoff_s, got {self.backoff_s}, {self.max_backoff_s}"
+            )
 
     def should_retry(self, failures: Sequence[BaseException]) -> bool:
-        """Whether to start again after `failures` (this request's, oldest first; the last one is new)."""
+        """Whether to start again after `failures` (this request's, oldest first; the last one is
+        new)."""
         last = failures[-1]
         if isinstance(last, HandoffLost):
             return sum(isinstance(e, HandoffLost) for e in failures) <= self.handoff_retries
@@ -70,12 +78,12 @@ class RetryPolicy:
         return is_rank_failure(last) and num_rank_failures < self.max_attempts
 
     def wait_s(self, failures: Sequence[BaseException]) -> float:
-        """Seconds to wait before the next start: none after a lost hand-off (the ranks are fine), else
-        `backoff_s * 2**n` for the n-th rank failure, capped."""
+        """Seconds to wait before the next start: none after a lost hand-off (the ranks are fine),
+        else `backoff_s * 2**n` for the n-th rank failure, capped."""
         if isinstance(failures[-1], HandoffLost):
             return 0.0
         num_rank_failures = sum(not isinstance(e, HandoffLost) for e in failures)
-        return min(self.backoff_s * 2.0 ** num_rank_failures, self.max_backoff_s)
+        return min(self.backoff_s * 2.0**num_rank_failures, self.max_backoff_s)
 
 
 @dataclass
@@ -98,9 +106,9 @@ class StartRetry:
 
 @dataclass(frozen=True)
 class BlocksWait:
-    """tenacity's `retry`, `wait` and `stop` for the passes over decode ranks short of blocks: exponential
-    backoff from `backoff_s`, never past the deadline; stop once it passed. `remaining()` is the seconds
-    left before the request's deadline."""
+    """tenacity's `retry`, `wait` and `stop` for the passes over decode ranks short of blocks:
+    exponential backoff from `backoff_s`, never past the deadline; stop once it passed.
+    `remaining()` is the seconds left before the request's deadline."""
 
     remaining: Callable[[], float]
     backoff_s: float = RETRY_BACKOFF_S

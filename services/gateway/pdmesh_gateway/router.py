@@ -1,14 +1,16 @@
 """Which worker rank gets a request (pure policy), and the loop that keeps the view fresh.
 
 Policy: only `ready` instances are routable.
-- decode: fewest requests, counted as the rank's last heartbeat (`Load.num_running + num_waiting`) plus the
-  requests this gateway sent it since that heartbeat (heartbeats lag; without this, a burst would
-  all go to the same idle rank).
+- decode: fewest requests, counted as the rank's last heartbeat (`Load.num_running + num_waiting`)
+  plus the requests this gateway sent it since that heartbeat (heartbeats lag; without this, a burst
+  would all go to the same idle rank).
 - prefill: fewest requests this gateway has in flight on it. (The orchestrator admits requests to
-  prefill ranks through `admission.PrefillAdmission`, the same policy with a per-rank cap and a queue.)
+  prefill ranks through `admission.PrefillAdmission`, the same policy with a per-rank cap and a
+  queue.)
 Ties are broken in turn: the first tied instance (by id) after the one picked last time for that
 role, so equal ranks take requests round robin. No candidate → `NoInstance` (503).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,15 +35,17 @@ def _now_ms() -> int:
 class Router:
     def __init__(self) -> None:
         self._instances: list[InstanceInfo] = []
-        self._sent: dict[str, list[int]] = {}          # decode id -> send times (ms) since its heartbeat
+        self._sent: dict[str, list[int]] = {}  # decode id -> send times (ms) since its heartbeat
         self._prefill_in_flight: dict[str, int] = {}
-        self._last: dict[Role, str] = {}                # role -> id picked last
+        self._last: dict[Role, str] = {}  # role -> id picked last
 
     def update(self, instances: Iterable[InstanceInfo]) -> None:
         """Replace the view with the registry's; forget sends that the new heartbeats include."""
         self._instances = sorted(instances, key=lambda i: i.instance_id)
         stamps = {i.instance_id: i.updated_ms for i in self._instances}
-        self._sent = {k: [t for t in v if t > stamps[k]] for k, v in self._sent.items() if k in stamps}
+        self._sent = {
+            k: [t for t in v if t > stamps[k]] for k, v in self._sent.items() if k in stamps
+        }
 
     def snapshot(self) -> list[InstanceInfo]:
         return list(self._instances)
@@ -65,7 +69,9 @@ class Router:
     def pick_prefill(self, exclude: Iterable[str] = ()) -> InstanceInfo:
         return self._pick(Role.PREFILL, self.prefill_load, exclude)
 
-    def _pick(self, role: Role, load: Callable[[InstanceInfo], int], exclude: Iterable[str]) -> InstanceInfo:
+    def _pick(
+        self, role: Role, load: Callable[[InstanceInfo], int], exclude: Iterable[str]
+    ) -> InstanceInfo:
         excluded = set(exclude)
         candidates = [i for i in self.ready(role) if i.instance_id not in excluded]
         if not candidates:
@@ -92,9 +98,11 @@ class Router:
             self._prefill_in_flight.pop(instance_id, None)
 
 
-async def refresh_forever(router: Router, fetch: Callable[[], Awaitable[list[InstanceInfo]]],
-                          interval_s: float = 0.5) -> None:
-    """Feed `fetch()` (the registry's instances) to the router every interval; errors keep the old view."""
+async def refresh_forever(
+    router: Router, fetch: Callable[[], Awaitable[list[InstanceInfo]]], interval_s: float = 0.5
+) -> None:
+    """Feed `fetch()` (the registry's instances) to the router every interval; errors keep the old
+    view."""
     while True:
         try:
             router.update(await fetch())

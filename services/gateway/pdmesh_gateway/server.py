@@ -3,6 +3,7 @@
 `pdmesh serve gateway` calls `add_arguments`, `config_from_args` and `run_service(..., serve)`.
 `serve(config, ready)` sets `ready` once both servers accept requests and runs until cancelled.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,19 +36,22 @@ log = get_logger(__name__)
 class GatewayConfig:
     model_dir: Path
     common: CommonConfig = field(default_factory=CommonConfig)
-    served_model_name: str = ""           # default: the model directory's name
-    http_port: int = 8000                 # 0 picks a free port
+    served_model_name: str = ""  # default: the model directory's name
+    http_port: int = 8000  # 0 picks a free port
     mode: Mode = Mode.DISAGG
     request_timeout_s: float = 300.0
-    max_model_len: int | None = None      # default: the model's max_position_embeddings
-    refresh_s: float = 0.5                # how often the registry is read for routing
-    max_prefill_inflight: int = DEFAULT_MAX_PREFILL_INFLIGHT   # per prefill rank, Reserve to end of Prefill
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    refresh_s: float = 0.5  # how often the registry is read for routing
+    # per prefill rank, Reserve to end of Prefill
+    max_prefill_inflight: int = DEFAULT_MAX_PREFILL_INFLIGHT
 
     def __post_init__(self) -> None:
         try:
-            object.__setattr__(self, "mode", Mode(self.mode))      # frozen: normalise a str once, here
+            object.__setattr__(self, "mode", Mode(self.mode))  # frozen: normalise a str once, here
         except ValueError:
-            raise ValueError(f"--mode must be one of {[m.value for m in Mode]}, got {self.mode!r}") from None
+            raise ValueError(
+                f"--mode must be one of {[m.value for m in Mode]}, got {self.mode!r}"
+            ) from None
         if not 0 <= self.http_port < 65536:
             raise ValueError(f"--http-port must be in [0, 65535], got {self.http_port}")
         if self.request_timeout_s <= 0:
@@ -55,7 +59,9 @@ class GatewayConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
         if self.max_prefill_inflight < 1:
-            raise ValueError(f"--max-prefill-inflight must be >= 1, got {self.max_prefill_inflight}")
+            raise ValueError(
+                f"--max-prefill-inflight must be >= 1, got {self.max_prefill_inflight}"
+            )
 
     @property
     def model_name(self) -> str:
@@ -65,23 +71,45 @@ class GatewayConfig:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common_arguments(p)
     g = p.add_argument_group("gateway")
-    g.add_argument("--model", type=Path, required=True, help="Hugging Face model directory (tokenizer, config)")
-    g.add_argument("--served-model-name", default="", help="name clients use (default: the directory's name)")
-    g.add_argument("--http-port", type=int, default=8000, help="OpenAI REST port (0: any free port)")
-    g.add_argument("--mode", type=Mode, choices=list(Mode), default=Mode.DISAGG,
-                   help="disagg: prefill ranks compute prompts (decode prefills itself when none is up); "
-                        "agg: decode ranks do everything")
+    g.add_argument(
+        "--model", type=Path, required=True, help="Hugging Face model directory (tokenizer, config)"
+    )
+    g.add_argument(
+        "--served-model-name", default="", help="name clients use (default: the directory's name)"
+    )
+    g.add_argument(
+        "--http-port", type=int, default=8000, help="OpenAI REST port (0: any free port)"
+    )
+    g.add_argument(
+        "--mode",
+        type=Mode,
+        choices=list(Mode),
+        default=Mode.DISAGG,
+        help="disagg: prefill ranks compute prompts (decode prefills itself when none is up); "
+        "agg: decode ranks do everything",
+    )
     g.add_argument("--request-timeout-s", type=float, default=300.0)
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-prefill-inflight", type=int, default=DEFAULT_MAX_PREFILL_INFLIGHT,
-                   help="requests per prefill rank between their decode Reserve and the end of their Prefill; "
-                        "the others wait at the gateway (FCFS) without holding decode blocks")
+    g.add_argument(
+        "--max-prefill-inflight",
+        type=int,
+        default=DEFAULT_MAX_PREFILL_INFLIGHT,
+        help="requests per prefill rank between their decode Reserve and the end of their Prefill; "
+        "the others wait at the gateway (FCFS) without holding decode blocks",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
-    return GatewayConfig(model_dir=args.model, common=common_from_args(args), served_model_name=args.served_model_name,
-                         http_port=args.http_port, mode=args.mode, request_timeout_s=args.request_timeout_s,
-                         max_model_len=args.max_model_len, max_prefill_inflight=args.max_prefill_inflight)
+    return GatewayConfig(
+        model_dir=args.model,
+        common=common_from_args(args),
+        served_model_name=args.served_model_name,
+        http_port=args.http_port,
+        mode=args.mode,
+        request_timeout_s=args.request_timeout_s,
+        max_model_len=args.max_model_len,
+        max_prefill_inflight=args.max_prefill_inflight,
+    )
 
 
 def load_model_info(config: GatewayConfig) -> ModelInfo:
@@ -89,7 +117,9 @@ def load_model_info(config: GatewayConfig) -> ModelInfo:
     mc = ModelConfig.from_dir(config.model_dir)
     max_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     created = int(Path(config.model_dir, "config.json").stat().st_mtime)
-    return ModelInfo(config.model_name, Path(config.model_dir).resolve().name, max_len, mc.vocab_size, created)
+    return ModelInfo(
+        config.model_name, Path(config.model_dir).resolve().name, max_len, mc.vocab_size, created
+    )
 
 
 class _UvicornServer(uvicorn.Server):
@@ -101,12 +131,20 @@ class _UvicornServer(uvicorn.Server):
 
 
 async def _start_http(app, host: str, port: int) -> tuple[_UvicornServer, asyncio.Task, int]:
-    server = _UvicornServer(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
-                                           timeout_graceful_shutdown=2))
+    server = _UvicornServer(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            lifespan="off",
+            timeout_graceful_shutdown=2,
+        )
+    )
     task = asyncio.ensure_future(server.serve())
     while not server.started:
         if task.done():
-            task.result()                       # re-raise a bind failure
+            task.result()  # re-raise a bind failure
             raise OSError(f"HTTP server on {host}:{port} exited during startup")
         await asyncio.sleep(0.02)
     bound = server.servers[0].sockets[0].getsockname()[1]
@@ -120,33 +158,58 @@ async def serve(config: GatewayConfig, ready: asyncio.Event | None = None) -> No
     redis = connect(common.redis_url)
     registry = Registry(redis, common.deployment)
     router = Router()
-    metrics = GatewayMetrics(REGISTRY)          # the one set of this process (/metrics exposes REGISTRY)
-    orchestrator = Orchestrator(router, tokenizer, metrics=metrics, mode=config.mode,
-                                request_timeout_s=config.request_timeout_s,
-                                max_prefill_inflight=config.max_prefill_inflight)
+    metrics = GatewayMetrics(REGISTRY)  # the one set of this process (/metrics exposes REGISTRY)
+    orchestrator = Orchestrator(
+        router,
+        tokenizer,
+        metrics=metrics,
+        mode=config.mode,
+        request_timeout_s=config.request_timeout_s,
+        max_prefill_inflight=config.max_prefill_inflight,
+    )
     servicer = GenerateServicer(orchestrator, tokenizer, model)
-    grpc_server = await start_grpc_server(common.host, common.port, [lambda s: add_to_server(servicer, s)],
-                                          [SERVICE_NAME])
-    app = create_app(orchestrator, tokenizer, model, REGISTRY, eplb=eplb_view(redis, common.deployment))
+    grpc_server = await start_grpc_server(
+        common.host, common.port, [lambda s: add_to_server(servicer, s)], [SERVICE_NAME]
+    )
+    app = create_app(
+        orchestrator, tokenizer, model, REGISTRY, eplb=eplb_view(redis, common.deployment)
+    )
     http, http_task, http_port = await _start_http(app, common.host, config.http_port)
     instance_id = common.instance(Role.GATEWAY, grpc_server.port)
 
     def report() -> InstanceInfo:
         load = Load(num_running=orchestrator.active, num_waiting=orchestrator.waiting)
-        return InstanceInfo(instance_id=instance_id, role=Role.GATEWAY, address=common.address(grpc_server.port),
-                            model=model.name, ready=True, stats=load, http_port=http_port)
+        return InstanceInfo(
+            instance_id=instance_id,
+            role=Role.GATEWAY,
+            address=common.address(grpc_server.port),
+            model=model.name,
+            ready=True,
+            stats=load,
+            http_port=http_port,
+        )
 
-    tasks = [asyncio.ensure_future(refresh_forever(router, registry.instances, config.refresh_s)),
-             asyncio.ensure_future(heartbeat_forever(registry, report, common.heartbeat_s, 3 * common.heartbeat_s))]
+    tasks = [
+        asyncio.ensure_future(refresh_forever(router, registry.instances, config.refresh_s)),
+        asyncio.ensure_future(
+            heartbeat_forever(registry, report, common.heartbeat_s, 3 * common.heartbeat_s)
+        ),
+    ]
     try:
         await grpc_server.set_serving(True)
-        log.info("gateway ready", grpc_port=grpc_server.port, http_port=http_port, mode=config.mode.value,
-                 model=model.name, max_model_len=model.max_model_len)
+        log.info(
+            "gateway ready",
+            grpc_port=grpc_server.port,
+            http_port=http_port,
+            mode=config.mode.value,
+            model=model.name,
+            max_model_len=model.max_model_len,
+        )
         if ready is not None:
             ready.set()
         done, _ = await asyncio.wait([http_task, *tasks], return_when=asyncio.FIRST_COMPLETED)
         for task in done:
-            task.result()                       # a component crashed: raise its error
+            task.result()  # a component crashed: raise its error
         raise RuntimeError("the gateway's HTTP server stopped on its own")
     finally:
         await _shutdown(http, http_task, tasks, grpc_server, orchestrator)
@@ -155,8 +218,13 @@ async def serve(config: GatewayConfig, ready: asyncio.Event | None = None) -> No
         await redis.aclose()
 
 
-async def _shutdown(http: _UvicornServer, http_task: asyncio.Task, tasks: list[asyncio.Task], grpc_server,
-                    orchestrator: Orchestrator) -> None:
+async def _shutdown(
+    http: _UvicornServer,
+    http_task: asyncio.Task,
+    tasks: list[asyncio.Task],
+    grpc_server,
+    orchestrator: Orchestrator,
+) -> None:
     started = time.monotonic()
     for t in tasks:
         t.cancel()

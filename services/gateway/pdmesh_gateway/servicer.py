@@ -3,6 +3,7 @@
 Domain errors raised here are mapped to status codes by the server's ErrorInterceptor; a client
 that cancels its call cancels the handler, which closes the event stream (aborting upstream work).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -12,8 +13,17 @@ from typing import Any
 import grpc
 
 from pdmesh_engine.tokenizer import Tokenizer
-from pdmesh_gateway.core import (GenerationEvent, GenerationRequest, GenerationResult, ModelInfo, TokenLogprob, Usage,
-                                 build_request, invalid, new_request_id)
+from pdmesh_gateway.core import (
+    GenerationEvent,
+    GenerationRequest,
+    GenerationResult,
+    ModelInfo,
+    TokenLogprob,
+    Usage,
+    build_request,
+    invalid,
+    new_request_id,
+)
 from pdmesh_gateway.orchestrator import Orchestrator
 from pdmesh_proto.common.v1 import common_pb2
 from pdmesh_proto.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -23,7 +33,9 @@ from pdmesh_service.errors import MeshError
 SERVICE_NAME = "pdmesh.gateway.v1.Generate"
 
 
-def to_request(message: gateway_pb2.GenerateRequest, tokenizer: Tokenizer, model: ModelInfo) -> GenerationRequest:
+def to_request(
+    message: gateway_pb2.GenerateRequest, tokenizer: Tokenizer, model: ModelInfo
+) -> GenerationRequest:
     name = model.resolve(message.model)
     kind = message.WhichOneof("prompt")
     if kind == "text":
@@ -36,7 +48,8 @@ def to_request(message: gateway_pb2.GenerateRequest, tokenizer: Tokenizer, model
         raise invalid("prompt", "prompt is required (text or token_ids)")
     # The caller's id is kept as a prefix: ids must be unique across the mesh, callers' need not be.
     request_id = new_request_id(message.request_id or "gen")
-    values: dict[str, Any] = sampling_values_from_pb(message.sampling)   # unset fields take the defaults
+    # unset fields take the defaults
+    values: dict[str, Any] = sampling_values_from_pb(message.sampling)
     return build_request(request_id, ids, values, model, name, default_max_tokens=16)
 
 
@@ -47,8 +60,11 @@ def _logprobs(logprobs: Sequence[TokenLogprob]) -> list[common_pb2.TokenLogprob]
 def _usage(usage: Usage | None) -> common_pb2.Usage | None:
     if usage is None:
         return None
-    return common_pb2.Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
-                            cached_tokens=usage.cached_tokens)
+    return common_pb2.Usage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        cached_tokens=usage.cached_tokens,
+    )
 
 
 def _stop_reason(value: str | int | None) -> str:
@@ -57,16 +73,26 @@ def _stop_reason(value: str | int | None) -> str:
 
 def to_chunk(request_id: str, event: GenerationEvent) -> gateway_pb2.GenerateChunk:
     return gateway_pb2.GenerateChunk(
-        request_id=request_id, token_ids=list(event.token_ids), text=event.text, logprobs=_logprobs(event.logprobs),
-        finish_reason=finish_reason_to_pb(event.finish_reason), stop_reason=_stop_reason(event.stop_reason),
-        usage=_usage(event.usage))
+        request_id=request_id,
+        token_ids=list(event.token_ids),
+        text=event.text,
+        logprobs=_logprobs(event.logprobs),
+        finish_reason=finish_reason_to_pb(event.finish_reason),
+        stop_reason=_stop_reason(event.stop_reason),
+        usage=_usage(event.usage),
+    )
 
 
 def to_response(request_id: str, result: GenerationResult) -> gateway_pb2.GenerateResponse:
     return gateway_pb2.GenerateResponse(
-        request_id=request_id, token_ids=result.token_ids, text=result.text, logprobs=_logprobs(result.logprobs),
-        finish_reason=finish_reason_to_pb(result.finish_reason), stop_reason=_stop_reason(result.stop_reason),
-        usage=_usage(result.usage))
+        request_id=request_id,
+        token_ids=result.token_ids,
+        text=result.text,
+        logprobs=_logprobs(result.logprobs),
+        finish_reason=finish_reason_to_pb(result.finish_reason),
+        stop_reason=_stop_reason(result.stop_reason),
+        usage=_usage(result.usage),
+    )
 
 
 class GenerateServicer(gateway_pb2_grpc.GenerateServicer):
@@ -80,8 +106,9 @@ class GenerateServicer(gateway_pb2_grpc.GenerateServicer):
             self.orchestrator.metrics.rejected(e)
             raise
 
-    async def Generate(self, message: gateway_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> gateway_pb2.GenerateResponse:
+    async def Generate(
+        self, message: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.GenerateResponse:
         request = self._request(message)
         result = GenerationResult()
         async with contextlib.aclosing(self.orchestrator.generate(request)) as events:
@@ -89,15 +116,17 @@ class GenerateServicer(gateway_pb2_grpc.GenerateServicer):
                 result.add(event)
         return to_response(message.request_id or request.request_id, result)
 
-    async def GenerateStream(self, message: gateway_pb2.GenerateRequest,
-                             context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateChunk]:
+    async def GenerateStream(
+        self, message: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gateway_pb2.GenerateChunk]:
         request = self._request(message)
         async with contextlib.aclosing(self.orchestrator.generate(request)) as events:
             async for event in events:
                 yield to_chunk(message.request_id or request.request_id, event)
 
-    async def ListModels(self, message: gateway_pb2.ListModelsRequest,
-                         context: grpc.aio.ServicerContext) -> gateway_pb2.ListModelsResponse:
+    async def ListModels(
+        self, message: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.ListModelsResponse:
         return gateway_pb2.ListModelsResponse(models=[self.model.name])
 
 

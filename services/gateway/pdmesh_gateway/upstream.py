@@ -1,11 +1,12 @@
-"""The gateway's client of the workers' gRPC APIs: one call per method, status codes → domain errors,
-TokenChunks → `WorkerChunk`s, and the decode stream of a request (`DecodeStream`).
+"""The gateway's client of the workers' gRPC APIs: one call per method, status codes → domain
+errors, TokenChunks → `WorkerChunk`s, and the decode stream of a request (`DecodeStream`).
 
 It decides nothing: which rank to call, what to retry and what to release is the orchestrator's.
-Contracts: every method raises `MeshError`s only (`map_rpc_error`), never grpc errors; a method whose
-caller is cancelled cancels its call. `Prefill` ABORTED and a Decode ending NOT_FOUND /
+Contracts: every method raises `MeshError`s only (`map_rpc_error`), never grpc errors; a method
+whose caller is cancelled cancels its call. `Prefill` ABORTED and a Decode ending NOT_FOUND /
 DEADLINE_EXCEEDED before admission are `HandoffLost` (the hand-off ended first; the rank is fine).
 """
+
 from __future__ import annotations
 
 import grpc
@@ -26,13 +27,16 @@ CANCEL_TIMEOUT_S = 5.0
 # Stop strings are applied at the gateway (`TextStream`); workers only see stop token ids.
 GATEWAY_ONLY_SAMPLING = frozenset({"stop", "include_stop_str_in_output"})
 _ERRORS: dict[grpc.StatusCode, type[errors.MeshError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument, grpc.StatusCode.OUT_OF_RANGE: errors.InvalidArgument,
+    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
+    grpc.StatusCode.OUT_OF_RANGE: errors.InvalidArgument,
     grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
-    grpc.StatusCode.UNAVAILABLE: errors.Unavailable, grpc.StatusCode.CANCELLED: errors.Unavailable,
-    grpc.StatusCode.NOT_FOUND: errors.Unavailable,      # a worker lost the request (e.g. lease expired)
-    grpc.StatusCode.ABORTED: errors.Unavailable,        # prefill lost the hand-off (lease ended first)
-    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded}
+    grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
+    grpc.StatusCode.CANCELLED: errors.Unavailable,
+    grpc.StatusCode.NOT_FOUND: errors.Unavailable,  # a worker lost the request (e.g. lease expired)
+    grpc.StatusCode.ABORTED: errors.Unavailable,  # prefill lost the hand-off (lease ended first)
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
+}
 
 
 def map_rpc_error(error: grpc.aio.AioRpcError, where: str) -> errors.MeshError:
@@ -46,9 +50,14 @@ def logprob_of(pb: common_pb2.TokenLogprob) -> TokenLogprob:
 
 
 def chunk_of(pb: decode_pb2.TokenChunk) -> WorkerChunk:
-    return WorkerChunk(tuple(pb.token_ids), tuple(logprob_of(lp) for lp in pb.logprobs),
-                       finish_reason_from_pb(pb.finish_reason), pb.stop_token_id, pb.num_prompt_tokens,
-                       pb.num_cached_tokens)
+    return WorkerChunk(
+        tuple(pb.token_ids),
+        tuple(logprob_of(lp) for lp in pb.logprobs),
+        finish_reason_from_pb(pb.finish_reason),
+        pb.stop_token_id,
+        pb.num_prompt_tokens,
+        pb.num_cached_tokens,
+    )
 
 
 def sampling_pb(request: GenerationRequest) -> common_pb2.SamplingParams:
@@ -57,9 +66,12 @@ def sampling_pb(request: GenerationRequest) -> common_pb2.SamplingParams:
 
 
 class DecodeStream:
-    """The decode stream of one request, with the chunks already in hand (first token, first read)."""
+    """The decode stream of one request, with the chunks already in hand (first token, first
+    read)."""
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall, where: str, pending: list[WorkerChunk]) -> None:
+    def __init__(
+        self, call: grpc.aio.UnaryStreamCall, where: str, pending: list[WorkerChunk]
+    ) -> None:
         self.call, self.where, self.pending = call, where, pending
 
     async def next(self) -> WorkerChunk | None:
@@ -100,12 +112,19 @@ class WorkerClient:
             await open_channel.close()
         self._channels.clear()
 
-    async def generate(self, decode: InstanceInfo, request: GenerationRequest, timeout: float) -> DecodeStream:
+    async def generate(
+        self, decode: InstanceInfo, request: GenerationRequest, timeout: float
+    ) -> DecodeStream:
         """decode.Generate (the aggregated path), returned once its first message arrived."""
         call = self._decode(decode).Generate(
-            decode_pb2.GenerateRequest(request_id=request.request_id, prompt_token_ids=request.prompt_ids,
-                                       sampling=sampling_pb(request)),
-            timeout=timeout, metadata=request_metadata(request.request_id))
+            decode_pb2.GenerateRequest(
+                request_id=request.request_id,
+                prompt_token_ids=request.prompt_ids,
+                sampling=sampling_pb(request),
+            ),
+            timeout=timeout,
+            metadata=request_metadata(request.request_id),
+        )
         try:
             first = await call.read()
         except grpc.aio.AioRpcError as e:
@@ -113,25 +132,49 @@ class WorkerClient:
         except BaseException:
             call.cancel()
             raise
-        return DecodeStream(call, _where(decode), [] if first is grpc.aio.EOF else [chunk_of(first)])
+        return DecodeStream(
+            call, _where(decode), [] if first is grpc.aio.EOF else [chunk_of(first)]
+        )
 
-    async def reserve(self, decode: InstanceInfo, request: GenerationRequest, timeout: float) -> common_pb2.KVTarget:
-        """decode.Reserve: blocks for the prompt (ResourceExhausted when the rank is short of them)."""
+    async def reserve(
+        self, decode: InstanceInfo, request: GenerationRequest, timeout: float
+    ) -> common_pb2.KVTarget:
+        """decode.Reserve: blocks for the prompt (ResourceExhausted when the rank is short of
+        them)."""
         try:
-            reserved = await self._decode(decode).Reserve(decode_pb2.ReserveRequest(
-                request_id=request.request_id, prompt_token_ids=request.prompt_ids, sampling=sampling_pb(request)),
-                timeout=timeout, metadata=request_metadata(request.request_id))
+            reserved = await self._decode(decode).Reserve(
+                decode_pb2.ReserveRequest(
+                    request_id=request.request_id,
+                    prompt_token_ids=request.prompt_ids,
+                    sampling=sampling_pb(request),
+                ),
+                timeout=timeout,
+                metadata=request_metadata(request.request_id),
+            )
         except grpc.aio.AioRpcError as e:
             raise map_rpc_error(e, _where(decode)) from None
         return reserved.target
 
-    async def prefill(self, prefill: InstanceInfo, request: GenerationRequest, target: common_pb2.KVTarget,
-                      timeout: float) -> prefill_pb2.PrefillResponse:
-        """prefill.Prefill into reserved blocks; ABORTED (the reservation ended first) is `HandoffLost`."""
+    async def prefill(
+        self,
+        prefill: InstanceInfo,
+        request: GenerationRequest,
+        target: common_pb2.KVTarget,
+        timeout: float,
+    ) -> prefill_pb2.PrefillResponse:
+        """prefill.Prefill into reserved blocks; ABORTED (the reservation ended first) is
+        `HandoffLost`."""
         stub = prefill_pb2_grpc.PrefillStub(self._channel(prefill.address))
-        call = stub.Prefill(prefill_pb2.PrefillRequest(
-            request_id=request.request_id, prompt_token_ids=request.prompt_ids, sampling=sampling_pb(request),
-            target=target), timeout=timeout, metadata=request_metadata(request.request_id))
+        call = stub.Prefill(
+            prefill_pb2.PrefillRequest(
+                request_id=request.request_id,
+                prompt_token_ids=request.prompt_ids,
+                sampling=sampling_pb(request),
+                target=target,
+            ),
+            timeout=timeout,
+            metadata=request_metadata(request.request_id),
+        )
         try:
             return await call
         except grpc.aio.AioRpcError as e:
@@ -142,36 +185,52 @@ class WorkerClient:
             call.cancel()
             raise
 
-    async def decode(self, decode: InstanceInfo, request: GenerationRequest, first: prefill_pb2.PrefillResponse,
-                     timeout: float) -> DecodeStream:
-        """decode.Decode with the prefill's first token, returned once decode admitted the request; the
-        stream starts with that first token."""
+    async def decode(
+        self,
+        decode: InstanceInfo,
+        request: GenerationRequest,
+        first: prefill_pb2.PrefillResponse,
+        timeout: float,
+    ) -> DecodeStream:
+        """decode.Decode with the prefill's first token, returned once decode admitted the request;
+        the stream starts with that first token."""
         call = self._decode(decode).Decode(
-            decode_pb2.DecodeRequest(request_id=request.request_id, first_token=first.first_token,
-                                     num_cached_tokens=first.num_cached_tokens),
-            timeout=timeout, metadata=request_metadata(request.request_id))
+            decode_pb2.DecodeRequest(
+                request_id=request.request_id,
+                first_token=first.first_token,
+                num_cached_tokens=first.num_cached_tokens,
+            ),
+            timeout=timeout,
+            metadata=request_metadata(request.request_id),
+        )
         try:
             read = await _wait_admitted(call, _where(decode))
         except BaseException:
             call.cancel()
             raise
         logprobs = (logprob_of(first.first_token),) if request.params.logprobs is not None else ()
-        head = WorkerChunk((first.first_token.token_id,), logprobs, num_cached_tokens=first.num_cached_tokens)
+        head = WorkerChunk(
+            (first.first_token.token_id,), logprobs, num_cached_tokens=first.num_cached_tokens
+        )
         return DecodeStream(call, _where(decode), [head, *read])
 
     async def cancel(self, decode: InstanceInfo, request_id: str) -> None:
         """decode.Cancel, best effort (the reservation's lease frees the blocks anyway)."""
         try:
-            await self._decode(decode).Cancel(decode_pb2.CancelRequest(request_id=request_id),
-                                              timeout=CANCEL_TIMEOUT_S, metadata=request_metadata(request_id))
+            await self._decode(decode).Cancel(
+                decode_pb2.CancelRequest(request_id=request_id),
+                timeout=CANCEL_TIMEOUT_S,
+                metadata=request_metadata(request_id),
+            )
         except grpc.aio.AioRpcError as e:
             log.warning("cancel of reservation failed", request_id=request_id, code=e.code().name)
 
 
 async def _wait_admitted(call: grpc.aio.UnaryStreamCall, where: str) -> list[WorkerChunk]:
-    """Wait until decode admitted the request (`ADMITTED_METADATA`, or a first chunk from a decode rank that
-    does not send it), returning the chunks read meanwhile. A call that ends first raises its error:
-    NOT_FOUND / DEADLINE_EXCEEDED (the reservation ended before the KV came) as `HandoffLost`."""
+    """Wait until decode admitted the request (`ADMITTED_METADATA`, or a first chunk from a decode
+    rank that does not send it), returning the chunks read meanwhile. A call that ends first raises
+    its error: NOT_FOUND / DEADLINE_EXCEEDED (the reservation ended before the KV came) as
+    `HandoffLost`."""
     try:
         metadata = await call.initial_metadata()
         if metadata is not None and ADMITTED_METADATA in metadata:

@@ -1,4 +1,6 @@
-"""`python -m pdmesh_kvstore [options]`: what the kvstore container runs (same options as `pdmesh serve kvstore`)."""
+"""`python -m pdmesh_kvstore [options]`: what the kvstore container runs (same options as `pdmesh
+serve kvstore`)."""
+
 import sys
 
 from pdmesh_kvstore import server

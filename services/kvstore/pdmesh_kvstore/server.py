@@ -1,9 +1,10 @@
 """`pdmesh serve kvstore`: the KV-metadata service (wiring only; see `store` and `servicer`).
 
-Start: connect Redis → gRPC server (health NOT_SERVING) → publish `InstanceInfo(role="kvstore")` once,
-then heartbeat it → health SERVING → `ready` set. Cancelled: heartbeat stopped, registry entry removed,
-health NOT_SERVING and server stopped, Redis closed (in that order).
+Start: connect Redis → gRPC server (health NOT_SERVING) → publish `InstanceInfo(role="kvstore")`
+once, then heartbeat it → health SERVING → `ready` set. Cancelled: heartbeat stopped, registry entry
+removed, health NOT_SERVING and server stopped, Redis closed (in that order).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -11,13 +12,13 @@ import asyncio
 import contextlib
 from dataclasses import dataclass
 
+from pdmesh_kvstore.servicer import KVStoreServicer
+from pdmesh_kvstore.store import KVStore
+from pdmesh_proto.kvstore.v1 import kvstore_pb2_grpc
 from pdmesh_service.grpc_server import start_grpc_server
 from pdmesh_service.logging import get_logger
 from pdmesh_service.options import CommonConfig, add_common_arguments, common_from_args
 from pdmesh_service.registry import InstanceInfo, Registry, connect, stay_registered
-from pdmesh_kvstore.servicer import KVStoreServicer
-from pdmesh_kvstore.store import KVStore
-from pdmesh_proto.kvstore.v1 import kvstore_pb2_grpc
 
 log = get_logger(__name__)
 ROLE = "kvstore"
@@ -27,12 +28,14 @@ SERVICE_NAME = "pdmesh.kvstore.v1.KVStore"
 @dataclass(frozen=True)
 class KVStoreConfig:
     common: CommonConfig
-    handoff_retention_s: float = 60.0    # how long a finished hand-off stays readable
-    handoff_grace_s: float = 30.0        # how long a live hand-off outlives its lease (swept after that)
+    handoff_retention_s: float = 60.0  # how long a finished hand-off stays readable
+    handoff_grace_s: float = 30.0  # how long a live hand-off outlives its lease (swept after that)
 
     def __post_init__(self) -> None:
         if not self.handoff_retention_s >= 0.001:
-            raise ValueError(f"--handoff-retention-s must be >= 0.001, got {self.handoff_retention_s}")
+            raise ValueError(
+                f"--handoff-retention-s must be >= 0.001, got {self.handoff_retention_s}"
+            )
         if not self.handoff_grace_s >= 0:
             raise ValueError(f"--handoff-grace-s must be >= 0, got {self.handoff_grace_s}")
 
@@ -40,10 +43,18 @@ class KVStoreConfig:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
     g = parser.add_argument_group("kvstore")
-    g.add_argument("--handoff-retention-s", type=float, default=60.0,
-                   help="keep finished hand-off records this long")
-    g.add_argument("--handoff-grace-s", type=float, default=30.0,
-                   help="live hand-off records last their lease plus this long (decode expires them before)")
+    g.add_argument(
+        "--handoff-retention-s",
+        type=float,
+        default=60.0,
+        help="keep finished hand-off records this long",
+    )
+    g.add_argument(
+        "--handoff-grace-s",
+        type=float,
+        default=30.0,
+        help="live hand-off records last their lease plus this long (decode expires them before)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> KVStoreConfig:
@@ -57,12 +68,19 @@ async def serve(config: KVStoreConfig, ready: asyncio.Event | None = None) -> No
     registry = Registry(redis, common.deployment)
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(redis.aclose)
-        store = KVStore(redis, common.deployment, retention_ms=int(config.handoff_retention_s * 1000),
-                        grace_ms=int(config.handoff_grace_s * 1000))
+        store = KVStore(
+            redis,
+            common.deployment,
+            retention_ms=int(config.handoff_retention_s * 1000),
+            grace_ms=int(config.handoff_grace_s * 1000),
+        )
         servicer = KVStoreServicer(store)
         server = await start_grpc_server(
-            common.host, common.port, [lambda s: kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, s)],
-            [SERVICE_NAME])
+            common.host,
+            common.port,
+            [lambda s: kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, s)],
+            [SERVICE_NAME],
+        )
         stack.push_async_callback(server.stop)
         instance_id = common.instance(ROLE, server.port)
         info = InstanceInfo(instance_id, ROLE, common.address(server.port), ready=True)
@@ -71,4 +89,4 @@ async def serve(config: KVStoreConfig, ready: asyncio.Event | None = None) -> No
         log.info("serving", role=ROLE, instance=instance_id, address=info.address)
         if ready is not None:
             ready.set()
-        await asyncio.Future()           # until cancelled
+        await asyncio.Future()  # until cancelled

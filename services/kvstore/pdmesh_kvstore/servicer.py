@@ -1,16 +1,19 @@
-"""The KVStore gRPC service: pb → `store` (over the pure `core`) → pb. Domain errors become status codes
-in the interceptor (NotFound → NOT_FOUND, FailedPrecondition → FAILED_PRECONDITION, InvalidArgument →
-INVALID_ARGUMENT). Every hand-off state reached is counted in `pdmesh_kvstore_handoffs_total{state}`
-(once: a no-op move to the current state is not counted)."""
+"""The KVStore gRPC service: pb → `store` (over the pure `core`) → pb. Domain errors become status
+codes in the interceptor (NotFound → NOT_FOUND, FailedPrecondition → FAILED_PRECONDITION,
+InvalidArgument → INVALID_ARGUMENT). Every hand-off state reached is counted in
+`pdmesh_kvstore_handoffs_total{state}` (once: a no-op move to the current state is not counted)."""
+
 from __future__ import annotations
 
 from prometheus_client import Counter
 
-from pdmesh_service.handoff import Handoff, HandoffState, parse_state
 from pdmesh_kvstore.store import KVStore
 from pdmesh_proto.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from pdmesh_service.handoff import Handoff, HandoffState, parse_state
 
-HANDOFFS = Counter("pdmesh_kvstore_handoffs_total", "KV hand-offs that reached each state", ["state"])
+HANDOFFS = Counter(
+    "pdmesh_kvstore_handoffs_total", "KV hand-offs that reached each state", ["state"]
+)
 
 
 def handoff_pb(handoff: Handoff) -> kvstore_pb2.Handoff:
@@ -26,23 +29,45 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     def __init__(self, store: KVStore) -> None:
         self.store = store
 
-    async def RegisterAgent(self, request: kvstore_pb2.AgentInfo, context) -> kvstore_pb2.RegisterAgentResponse:
+    async def RegisterAgent(
+        self, request: kvstore_pb2.AgentInfo, context
+    ) -> kvstore_pb2.RegisterAgentResponse:
         await self.store.put_agent(request.agent_name, request.metadata, request.instance_id)
         return kvstore_pb2.RegisterAgentResponse()
 
-    async def GetAgent(self, request: kvstore_pb2.GetAgentRequest, context) -> kvstore_pb2.AgentInfo:
+    async def GetAgent(
+        self, request: kvstore_pb2.GetAgentRequest, context
+    ) -> kvstore_pb2.AgentInfo:
         metadata, instance_id = await self.store.get_agent(request.agent_name)
-        return kvstore_pb2.AgentInfo(agent_name=request.agent_name, metadata=metadata, instance_id=instance_id)
+        return kvstore_pb2.AgentInfo(
+            agent_name=request.agent_name, metadata=metadata, instance_id=instance_id
+        )
 
-    async def OpenHandoff(self, request: kvstore_pb2.OpenHandoffRequest, context) -> kvstore_pb2.Handoff:
-        return handoff_pb(_reached(await self.store.open_handoff(
-            request.request_id, request.decode_instance, request.num_blocks, request.lease_ms)))
+    async def OpenHandoff(
+        self, request: kvstore_pb2.OpenHandoffRequest, context
+    ) -> kvstore_pb2.Handoff:
+        return handoff_pb(
+            _reached(
+                await self.store.open_handoff(
+                    request.request_id,
+                    request.decode_instance,
+                    request.num_blocks,
+                    request.lease_ms,
+                )
+            )
+        )
 
-    async def UpdateHandoff(self, request: kvstore_pb2.UpdateHandoffRequest, context) -> kvstore_pb2.Handoff:
-        state: HandoffState = parse_state(request.state)      # UNSPECIFIED → InvalidArgument
+    async def UpdateHandoff(
+        self, request: kvstore_pb2.UpdateHandoffRequest, context
+    ) -> kvstore_pb2.Handoff:
+        state: HandoffState = parse_state(request.state)  # UNSPECIFIED → InvalidArgument
         expected = parse_state(request.expected_state) if request.expected_state else None
-        handoff, changed = await self.store.transition(request.request_id, state, request.prefill_instance, expected)
+        handoff, changed = await self.store.transition(
+            request.request_id, state, request.prefill_instance, expected
+        )
         return handoff_pb(_reached(handoff) if changed else handoff)
 
-    async def GetHandoff(self, request: kvstore_pb2.GetHandoffRequest, context) -> kvstore_pb2.Handoff:
+    async def GetHandoff(
+        self, request: kvstore_pb2.GetHandoffRequest, context
+    ) -> kvstore_pb2.Handoff:
         return handoff_pb(await self.store.get_handoff(request.request_id))

@@ -1,4 +1,6 @@
-"""`python -m pdmesh_prefill [options]`: what the prefill container runs (same options as `pdmesh serve prefill`)."""
+"""`python -m pdmesh_prefill [options]`: what the prefill container runs (same options as `pdmesh
+serve prefill`)."""
+
 import sys
 
 from pdmesh_prefill import server

@@ -12,6 +12,7 @@ Block ownership: from `compute` until a WRITE is posted the engine holds the pro
 connector (an ending aborts the request to free them); once posted, the WRITE owns them until it
 ends (an abort or a cancelled caller never cuts it short) and the pusher releases them itself.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -53,9 +54,9 @@ class TransferFailed(Unavailable):
 class PushResult:
     """A WRITE that ended DONE; the engine released the prompt's blocks before this was sent."""
 
-    step: StepOutput        # the finished prefill step: the first token
+    step: StepOutput  # the finished prefill step: the first token
     kv_bytes: int
-    seconds: float          # from posting the WRITE to seeing it DONE
+    seconds: float  # from posting the WRITE to seeing it DONE
 
 
 # ----- engine thread -----
@@ -65,7 +66,7 @@ class _Push:
     (`step` set, blocks held), then writing (`transfer` set, waiter = the write future)."""
 
     request_id: str
-    waiter: asyncio.Future[Any] | None     # the current phase's future, or None once answered
+    waiter: asyncio.Future[Any] | None  # the current phase's future, or None once answered
     step: StepOutput | None = None
     target: PushTarget | None = None
     transfer: Transfer | None = None
@@ -85,11 +86,13 @@ class KVPusher:
         self.loop, self.agent = loop, agent
         self._pushes: dict[str, _Push] = {}
 
-    async def compute(self, prompt_ids: list[int], params: SamplingParams,
-                      request_id: str) -> StepOutput:
+    async def compute(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> StepOutput:
         """Run the prompt; its blocks stay held for `write` (or until an abort)."""
-        step: StepOutput = await self.loop.submit(self._compute, list(prompt_ids), params,
-                                                  request_id, deferred=True)
+        step: StepOutput = await self.loop.submit(
+            self._compute, list(prompt_ids), params, request_id, deferred=True
+        )
         return step
 
     def write(self, request_id: str, target: PushTarget) -> asyncio.Future[PushResult]:
@@ -97,8 +100,13 @@ class KVPusher:
         are released."""
         return self.loop.submit(self._write, request_id, target, deferred=True)
 
-    def _compute(self, future: asyncio.Future[Any], prompt_ids: list[int], params: SamplingParams,
-                 request_id: str) -> None:
+    def _compute(
+        self,
+        future: asyncio.Future[Any],
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+    ) -> None:
         self.loop.engine.add_request(prompt_ids, params, request_id, hold_blocks=True)
         self._pushes[request_id] = _Push(request_id, future)
         self.loop.metrics.request_taken()
@@ -110,16 +118,25 @@ class KVPusher:
         layout = self.agent.layout
         push.waiter, push.target, push.started = future, target, time.perf_counter()
         try:
-            local, remote = plan_push(push.step.num_prompt_tokens, layout.block_size,
-                                      self.loop.engine.blocks_of(request_id), target)
+            local, remote = plan_push(
+                push.step.num_prompt_tokens,
+                layout.block_size,
+                self.loop.engine.blocks_of(request_id),
+                target,
+            )
             push.num_bytes = kv_bytes(len(local), layout.num_layers, layout.block_bytes)
-            push.transfer = self.agent.write(request_id, local, target.agent_name, target.layout,
-                                             remote)
+            push.transfer = self.agent.write(
+                request_id, local, target.agent_name, target.layout, remote
+            )
         except Exception as e:  # noqa: BLE001 - nothing was posted: reported to the waiter
             self._end(push, e)
 
-    def _answer(self, future: asyncio.Future[Any] | None, value: Any = None,
-                error: BaseException | None = None) -> None:
+    def _answer(
+        self,
+        future: asyncio.Future[Any] | None,
+        value: Any = None,
+        error: BaseException | None = None,
+    ) -> None:
         if future is not None:
             self.loop.post(settle, future, value, error)
 
@@ -160,18 +177,20 @@ class KVPusher:
             return
         self.loop.metrics.transfer_failed()
         log.warning("KV transfer failed", request_id=request_id, peer=peer, error=str(error))
-        self._answer(push.waiter, error=TransferFailed(
-            f"KV transfer of request {request_id} to {peer} failed: {error}"))
+        self._answer(
+            push.waiter,
+            error=TransferFailed(f"KV transfer of request {request_id} to {peer} failed: {error}"),
+        )
 
     def abort(self, request_id: str) -> tuple[bool, bool]:
         push = self._pushes.get(request_id)
         if push is None:
             return False, False
-        if push.is_in_flight:             # ends by itself; its waiter learns how
+        if push.is_in_flight:  # ends by itself; its waiter learns how
             return True, True
         del self._pushes[request_id]
         self._answer(push.waiter, error=Unavailable(f"request {request_id} was aborted"))
-        return True, False                # the engine frees (or releases the held) blocks
+        return True, False  # the engine frees (or releases the held) blocks
 
     def fail_all(self, error: BaseException) -> set[str]:
         for push in list(self._pushes.values()):
@@ -187,16 +206,23 @@ class PrefillConnector:
     rank's role (`worker.runtime.WorkerRole`): its engine-thread hooks are its pusher's, and `close`
     ends what it runs in the background."""
 
-    def __init__(self, loop: EngineLoop, pusher: KVPusher, kvstore: KVStoreClient, instance_id: str,
-                 retry: RetryPolicy = RetryPolicy()) -> None:
+    def __init__(
+        self,
+        loop: EngineLoop,
+        pusher: KVPusher,
+        kvstore: KVStoreClient,
+        instance_id: str,
+        retry: RetryPolicy = RetryPolicy(),
+    ) -> None:
         self.loop, self.pusher, self.kvstore = loop, pusher, kvstore
         self.instance_id, self.retry = instance_id, retry
-        self._peers: set[str] = set()          # agents whose metadata the NIXL agent loaded
+        self._peers: set[str] = set()  # agents whose metadata the NIXL agent loaded
         self._connecting = asyncio.Lock()
         self._background = Background()
 
-    async def push(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                   target: PushTarget) -> PushResult:
+    async def push(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, target: PushTarget
+    ) -> PushResult:
         """Prefill the prompt and write its KV into `target` once the hand-off is claimed.
 
         Aborted: the reservation ended first (no WRITE). Unavailable: the claim got no answer, or
@@ -207,8 +233,14 @@ class PrefillConnector:
         try:
             await self.pusher.compute(prompt_ids, params, request_id)
             flow.advance(PushState.CLAIMING)
-            outcome = await move_handoff(self.kvstore, request_id, HandoffState.TRANSFERRING,
-                                         (HandoffState.RESERVED,), self.instance_id, self.retry)
+            outcome = await move_handoff(
+                self.kvstore,
+                request_id,
+                HandoffState.TRANSFERRING,
+                (HandoffState.RESERVED,),
+                self.instance_id,
+                self.retry,
+            )
         except BaseException as e:
             await self._settle_end(self._end(flow, PushState.CANCELLED), e)
             raise
@@ -246,7 +278,7 @@ class PrefillConnector:
         except TransferFailed:
             await self._end(flow, PushState.FAILED)
             return
-        except MeshError:       # shutting down: the record stays TRANSFERRING (decode quarantines)
+        except MeshError:  # shutting down: the record stays TRANSFERRING (decode quarantines)
             return
         flow.advance(PushState.WRITTEN)
 
@@ -263,8 +295,9 @@ class PrefillConnector:
             self.kvstore.forget_agent(flow.peer)
         return self._cancel_handoff(flow.request_id, action.cancel_from)
 
-    async def _settle_end(self, cancel: Coroutine[Any, Any, MoveOutcome | None],
-                          error: BaseException) -> None:
+    async def _settle_end(
+        self, cancel: Coroutine[Any, Any, MoveOutcome | None], error: BaseException
+    ) -> None:
         """Await the hand-off's CANCEL before the caller hears of `error` (so a retry under the same
         id cannot race it), unless the caller is cancelled: then it runs in the background."""
         if isinstance(error, asyncio.CancelledError):
@@ -272,12 +305,14 @@ class PrefillConnector:
         else:
             await cancel
 
-    async def _cancel_handoff(self, request_id: str,
-                              cancel_from: tuple[HandoffState, ...]) -> MoveOutcome | None:
+    async def _cancel_handoff(
+        self, request_id: str, cancel_from: tuple[HandoffState, ...]
+    ) -> MoveOutcome | None:
         if not cancel_from:
             return None
-        outcome = await move_handoff(self.kvstore, request_id, HandoffState.CANCELLED, cancel_from,
-                                     policy=self.retry)
+        outcome = await move_handoff(
+            self.kvstore, request_id, HandoffState.CANCELLED, cancel_from, policy=self.retry
+        )
         if isinstance(outcome, Unknown):
             log.warning("hand-off not cancelled", request_id=request_id, reason=outcome.reason)
         return outcome

@@ -26,6 +26,7 @@ The prompt's KV lies in the first ceil(prompt_len / block_size) blocks the reque
 (prefix-cached blocks included, in token order); they go to the same number of leading target
 blocks, every layer.
 """
+
 from __future__ import annotations
 
 import enum
@@ -76,25 +77,31 @@ def check_target(target: PushTarget, local: PoolLayout, num_prompt_tokens: int) 
         local.check_compatible(target.layout)
     except ValueError as e:
         raise FailedPrecondition(
-            f"target pool of {target.agent_name} does not match this pool: {e}") from e
+            f"target pool of {target.agent_name} does not match this pool: {e}"
+        ) from e
     needed = num_blocks_for(num_prompt_tokens, local.block_size)
     if len(target.block_ids) < needed:
-        raise InvalidArgument(f"the target reserved {len(target.block_ids)} blocks; the prompt's "
-                              f"{num_prompt_tokens} tokens need {needed} blocks of "
-                              f"{local.block_size}")
+        raise InvalidArgument(
+            f"the target reserved {len(target.block_ids)} blocks; the prompt's "
+            f"{num_prompt_tokens} tokens need {needed} blocks of "
+            f"{local.block_size}"
+        )
     return needed
 
 
-def plan_push(num_prompt_tokens: int, block_size: int, local_block_ids: list[int],
-              target: PushTarget) -> tuple[list[int], list[int]]:
+def plan_push(
+    num_prompt_tokens: int, block_size: int, local_block_ids: list[int], target: PushTarget
+) -> tuple[list[int], list[int]]:
     """(local block ids, remote block ids) of the prompt, pairwise, in token order."""
     needed = num_blocks_for(num_prompt_tokens, block_size)
     if len(target.block_ids) < needed:
         raise InvalidArgument(
-            f"the target reserved {len(target.block_ids)} blocks, the prompt needs {needed}")
+            f"the target reserved {len(target.block_ids)} blocks, the prompt needs {needed}"
+        )
     if len(local_block_ids) < needed:
         raise RuntimeError(
-            f"the request holds {len(local_block_ids)} blocks, its prompt needs {needed}")
+            f"the request holds {len(local_block_ids)} blocks, its prompt needs {needed}"
+        )
     return list(local_block_ids[:needed]), list(target.block_ids[:needed])
 
 
@@ -119,7 +126,7 @@ PUSH_TRANSITIONS: dict[PushState, frozenset[PushState]] = {
     _P.COMPUTING: frozenset({_P.CLAIMING, _P.CANCELLED}),
     _P.CLAIMING: frozenset({_P.CLAIMED, _P.REJECTED, _P.CANCELLED}),
     _P.CLAIMED: frozenset({_P.WRITING, _P.CANCELLED}),
-    _P.WRITING: frozenset({_P.WRITTEN, _P.FAILED}),          # a WRITE in flight is never cut short
+    _P.WRITING: frozenset({_P.WRITTEN, _P.FAILED}),  # a WRITE in flight is never cut short
     _P.WRITTEN: frozenset(),
     _P.FAILED: frozenset(),
     _P.REJECTED: frozenset(),
@@ -156,7 +163,7 @@ class PushFlow:
     """Where one push stands (asyncio side); `advance` enforces PUSH_TRANSITIONS."""
 
     request_id: str
-    peer: str                              # the target's agent name
+    peer: str  # the target's agent name
     state: PushState = PushState.COMPUTING
 
     def advance(self, new: PushState) -> EndAction | None:
@@ -164,7 +171,8 @@ class PushFlow:
         FailedPrecondition for a move not in PUSH_TRANSITIONS."""
         if new not in PUSH_TRANSITIONS[self.state]:
             raise FailedPrecondition(
-                f"push of {self.request_id} cannot go from {self.state.name} to {new.name}")
+                f"push of {self.request_id} cannot go from {self.state.name} to {new.name}"
+            )
         old, self.state = self.state, new
         return END_ACTIONS[(old, new)] if new.is_final else None
 
@@ -184,8 +192,10 @@ def claim_error(request_id: str, outcome: MoveOutcome) -> MeshError:
     """The caller's error for a claim that did not make the push CLAIMED."""
     if isinstance(outcome, Unknown):
         return Unavailable(
-            f"cannot claim the hand-off of {request_id} in the kvstore: {outcome.reason}")
+            f"cannot claim the hand-off of {request_id} in the kvstore: {outcome.reason}"
+        )
     found = state_found(outcome)
     why = f"its hand-off is {found.name}" if found is not None else "it has no hand-off record"
     return Aborted(
-        f"the decode reservation of request {request_id} ended before the KV was ready ({why})")
+        f"the decode reservation of request {request_id} ended before the KV was ready ({why})"
+    )

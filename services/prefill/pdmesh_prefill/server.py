@@ -1,4 +1,5 @@
 """`pdmesh serve prefill`: a prefill rank (wiring only; see `worker.runtime.run_worker`)."""
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,8 @@ class PrefillConfig:
     common: CommonConfig
     model_dir: Path
     engine: EngineConfig
-    kvstore: str = ""            # host:port of the kvstore; empty: find it in the registry
-    dep: DEPOptions = DEPOptions()   # --dep N: N rank processes (see worker.dep_instance)
+    kvstore: str = ""  # host:port of the kvstore; empty: find it in the registry
+    dep: DEPOptions = DEPOptions()  # --dep N: N rank processes (see worker.dep_instance)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,26 +40,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_options(parser)
     add_dep_arguments(parser)
     g = parser.add_argument_group("prefill")
-    g.add_argument("--kvstore", default="", help="kvstore address host:port (default: from the registry)")
+    g.add_argument(
+        "--kvstore", default="", help="kvstore address host:port (default: from the registry)"
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> PrefillConfig:
     dep = dep_from_args(args)
-    return PrefillConfig(rank_common(common_from_args(args), ROLE, dep), resolve_model(args.model),
-                         engine_config(args), args.kvstore, dep)
+    return PrefillConfig(
+        rank_common(common_from_args(args), ROLE, dep),
+        resolve_model(args.model),
+        engine_config(args),
+        args.kvstore,
+        dep,
+    )
 
 
 def _make_worker(parts: WorkerParts) -> Worker[PrefillServicer]:
     """The connector (the loop's role, with its pusher) and the servicer over it."""
-    connector = PrefillConnector(parts.engine, KVPusher(parts.engine, parts.agent), parts.kvstore,
-                                 parts.instance_id)
-    return Worker(connector, PrefillServicer(connector, parts.engine, parts.instance_id, parts.agent.layout))
+    connector = PrefillConnector(
+        parts.engine, KVPusher(parts.engine, parts.agent), parts.kvstore, parts.instance_id
+    )
+    return Worker(
+        connector, PrefillServicer(connector, parts.engine, parts.instance_id, parts.agent.layout)
+    )
 
 
 async def serve(config: PrefillConfig, ready: asyncio.Event | None = None) -> None:
     """Serve until cancelled; `ready` is set once the rank takes requests."""
-    spec = WorkerSpec(ROLE, SERVICE_NAME, _make_worker, prefill_pb2_grpc.add_PrefillServicer_to_server)
-    await run_worker(spec, config.common, config.model_dir, config.engine, config.kvstore, ready, config.dep)
+    spec = WorkerSpec(
+        ROLE, SERVICE_NAME, _make_worker, prefill_pb2_grpc.add_PrefillServicer_to_server
+    )
+    await run_worker(
+        spec, config.common, config.model_dir, config.engine, config.kvstore, ready, config.dep
+    )
 
 
 def supervise(role: str, argv: list[str], config: PrefillConfig) -> int:

@@ -9,6 +9,7 @@ blocks are released; a failed transfer is UNAVAILABLE. This rank moves the hand-
 only when no WRITE of its is in flight (none posted, or it ended): decode relies on that to free
 its blocks at once (`pdmesh_service.handoff.may_be_written`).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -35,24 +36,31 @@ def target_from_pb(pb: common_pb2.KVTarget) -> PushTarget:
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
-    def __init__(self, connector: PrefillConnector, engine: EngineLoop, instance_id: str,
-                 layout: PoolLayout) -> None:
+    def __init__(
+        self, connector: PrefillConnector, engine: EngineLoop, instance_id: str, layout: PoolLayout
+    ) -> None:
         self.connector, self.engine = connector, engine
         self.instance_id, self.layout = instance_id, layout
 
-    async def Prefill(self, request: prefill_pb2.PrefillRequest,
-                      context: Any) -> prefill_pb2.PrefillResponse:
+    async def Prefill(
+        self, request: prefill_pb2.PrefillRequest, context: Any
+    ) -> prefill_pb2.PrefillResponse:
         request_id, prompt = require_id(request.request_id), list(request.prompt_token_ids)
         params = prefill_params(sampling_from_pb(request.sampling))
-        check_prompt(prompt, vocab_size=self.engine.vocab_size,
-                     max_model_len=self.engine.max_model_len)
+        check_prompt(
+            prompt, vocab_size=self.engine.vocab_size, max_model_len=self.engine.max_model_len
+        )
         target = target_from_pb(request.target)
         check_target(target, self.layout, len(prompt))
         result = await self.connector.push(request_id, prompt, params, target)
         return prefill_pb2.PrefillResponse(
-            first_token=first_token_of(result.step), kv_bytes=result.kv_bytes,
-            num_cached_tokens=result.step.num_cached_tokens, transfer_seconds=result.seconds)
+            first_token=first_token_of(result.step),
+            kv_bytes=result.kv_bytes,
+            num_cached_tokens=result.step.num_cached_tokens,
+            transfer_seconds=result.seconds,
+        )
 
-    async def Status(self, request: common_pb2.StatusRequest,
-                     context: Any) -> common_pb2.WorkerStatus:
+    async def Status(
+        self, request: common_pb2.StatusRequest, context: Any
+    ) -> common_pb2.WorkerStatus:
         return worker_status_pb(self.instance_id, await self.engine.status(request.check_integrity))

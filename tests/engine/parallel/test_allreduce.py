@@ -1,10 +1,11 @@
-"""Recursive-doubling all-reduce: the pure schedule (p up to 64), real gloo processes (every world size 1..9),
-and a smoke run of `pdmesh bench allreduce --quick`.
+"""Recursive-doubling all-reduce: the pure schedule (p up to 64), real gloo processes (every world
+size 1..9), and a smoke run of `pdmesh bench allreduce --quick`.
 
-The multi-process check spawns 9 ranks once (each spawn imports torch: ~2 CPU-s) and runs world sizes
-1..8 on subgroups of the top ranks (group rank != global rank, so the peer mapping is exercised) and 9
-on the default group; every rank returns what it computed and the asserts run here.
+The multi-process check spawns 9 ranks once (each spawn imports torch: ~2 CPU-s) and runs world
+sizes 1..8 on subgroups of the top ranks (group rank != global rank, so the peer mapping is
+exercised) and 9 on the default group; every rank returns what it computed and the asserts run here.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,14 +18,21 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pdmesh_bench.allreduce import run_ranks
 from pdmesh.cli.main import main
-from pdmesh_engine.parallel import (DP_SYNC_IMPLS, GlooAllReduce, RecursiveDoublingAllReduce, make_dp_sync,
-                                    num_rounds, recursive_doubling_all_reduce, recursive_doubling_schedule)
+from pdmesh_bench.allreduce import run_ranks
+from pdmesh_engine.parallel import (
+    DP_SYNC_IMPLS,
+    GlooAllReduce,
+    RecursiveDoublingAllReduce,
+    make_dp_sync,
+    num_rounds,
+    recursive_doubling_all_reduce,
+    recursive_doubling_schedule,
+)
 
 MAX_WORLD = 9
-BIG = 2**53 + 1             # sums of it are not exact in float64: integer sums must not pass through floats
-CALLS = 5                   # back-to-back calls per DPSync: no message of one call may land in another
+BIG = 2**53 + 1  # sums of it are not exact in float64: integer sums must not pass through floats
+CALLS = 5  # back-to-back calls per DPSync: no message of one call may land in another
 
 
 def expected_rounds(p: int) -> int:
@@ -34,18 +42,31 @@ def expected_rounds(p: int) -> int:
 
 # ----------------------------------------------------------------------------- pure schedule
 
+
 @pytest.mark.parametrize("p", range(1, 65))
 def test_num_rounds_closed_form_and_schedule_length(p: int) -> None:
     assert num_rounds(p) == expected_rounds(p)
     for rank in range(p):
         steps = recursive_doubling_schedule(rank, p)
         assert [s.round for s in steps] == list(range(num_rounds(p)))
-    if p > 1:                                           # rank 0 works in every round: the depth is real
+    if p > 1:  # rank 0 works in every round: the depth is real
         assert all(s.peer is not None for s in recursive_doubling_schedule(0, p))
 
 
 def test_num_rounds_known_values() -> None:
-    assert [num_rounds(p) for p in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17)] == [0, 1, 3, 2, 4, 4, 4, 3, 5, 4, 6]
+    assert [num_rounds(p) for p in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17)] == [
+        0,
+        1,
+        3,
+        2,
+        4,
+        4,
+        4,
+        3,
+        5,
+        4,
+        6,
+    ]
 
 
 @pytest.mark.parametrize("p", range(1, 65))
@@ -59,11 +80,13 @@ def test_every_send_matches_a_receive_in_the_same_round(p: int) -> None:
             assert step.peer != rank and 0 <= step.peer < p
             other = schedules[step.peer][step.round]
             assert other.peer == rank
-            assert other.recv == step.send and other.send == step.recv     # a send meets a recv, both ways
+            # a send meets a recv, both ways
+            assert other.recv == step.send and other.send == step.recv
 
 
 def simulate(p: int, values: list[Any], combine: Any) -> list[Any]:
-    """Run every rank's schedule on Python values: all sends of a round read the state before the round."""
+    """Run every rank's schedule on Python values: all sends of a round read the state before the
+    round."""
     state = list(values)
     for n in range(num_rounds(p)):
         steps = [recursive_doubling_schedule(rank, p)[n] for rank in range(p)]
@@ -79,9 +102,16 @@ def simulate(p: int, values: list[Any], combine: Any) -> list[Any]:
 def test_simulation_counts_every_contribution_exactly_once(p: int) -> None:
     final = simulate(p, [Counter({rank: 1}) for rank in range(p)], lambda a, b: a + b)
     assert all(c == Counter({rank: 1 for rank in range(p)}) for c in final)
-    sums = simulate(p, [[rank + 1, 10 * rank, 7] for rank in range(p)], lambda a, b: [x + y for x, y in zip(a, b)])
+    sums = simulate(
+        p,
+        [[rank + 1, 10 * rank, 7] for rank in range(p)],
+        lambda a, b: [x + y for x, y in zip(a, b, strict=True)],
+    )
     assert sums == [[p * (p + 1) // 2, 5 * p * (p - 1), 7 * p]] * p
-    assert simulate(p, [(rank * 37) % 11 for rank in range(p)], max) == [max((r * 37) % 11 for r in range(p))] * p
+    assert (
+        simulate(p, [(rank * 37) % 11 for rank in range(p)], max)
+        == [max((r * 37) % 11 for r in range(p))] * p
+    )
 
 
 def test_schedule_rejects_bad_arguments() -> None:
@@ -97,10 +127,14 @@ def test_bad_op_and_unknown_sync_are_rejected_before_any_communication() -> None
         recursive_doubling_all_reduce(torch.zeros(2, dtype=torch.int64), op="prod")
     with pytest.raises(ValueError, match="unknown DP sync"):
         make_dp_sync("ring")
-    assert DP_SYNC_IMPLS == {"gloo": GlooAllReduce, "recursive_doubling": RecursiveDoublingAllReduce}
+    assert DP_SYNC_IMPLS == {
+        "gloo": GlooAllReduce,
+        "recursive_doubling": RecursiveDoublingAllReduce,
+    }
 
 
 # ----------------------------------------------------------------------------- real processes
+
 
 def _member_checks(group: dist.ProcessGroup | None) -> dict[str, Any]:
     g, p = dist.get_rank(group), dist.get_world_size(group)
@@ -128,7 +162,8 @@ def _member_checks(group: dist.ProcessGroup | None) -> dict[str, Any]:
 
 
 def all_sizes_rank(rank: int, world: int) -> list[dict[str, Any]]:
-    """Child: world sizes 1..world-1 on subgroups of the top ranks, then `world` on the default group."""
+    """Child: world sizes 1..world-1 on subgroups of the top ranks, then `world` on the default
+    group."""
     groups = {p: dist.new_group(list(range(world - p, world))) for p in range(1, world)}
     reports = []
     for p in range(1, world + 1):
@@ -148,7 +183,9 @@ def reports() -> dict[int, list[dict[str, Any]]]:
 
 
 @pytest.mark.parametrize("p", range(1, MAX_WORLD + 1))
-def test_exact_integer_reductions_on_every_world_size(reports: dict[int, list[dict[str, Any]]], p: int) -> None:
+def test_exact_integer_reductions_on_every_world_size(
+    reports: dict[int, list[dict[str, Any]]], p: int
+) -> None:
     ranks = reports[p]
     assert [r["g"] for r in ranks] == list(range(p))
     tri = p * (p - 1) // 2
@@ -160,21 +197,36 @@ def test_exact_integer_reductions_on_every_world_size(reports: dict[int, list[di
 
 
 @pytest.mark.parametrize("p", range(1, MAX_WORLD + 1))
-def test_rounds_returned_match_the_closed_form(reports: dict[int, list[dict[str, Any]]], p: int) -> None:
+def test_rounds_returned_match_the_closed_form(
+    reports: dict[int, list[dict[str, Any]]], p: int
+) -> None:
     for r in reports[p]:
-        assert r["rounds_sum"] == r["rounds_max"] == r["rounds_min"] == expected_rounds(p) == num_rounds(p)
+        assert (
+            r["rounds_sum"]
+            == r["rounds_max"]
+            == r["rounds_min"]
+            == expected_rounds(p)
+            == num_rounds(p)
+        )
 
 
 @pytest.mark.parametrize("p", range(1, MAX_WORLD + 1))
-def test_float_sums_are_bitwise_identical_on_every_rank(reports: dict[int, list[dict[str, Any]]], p: int) -> None:
+def test_float_sums_are_bitwise_identical_on_every_rank(
+    reports: dict[int, list[dict[str, Any]]], p: int
+) -> None:
     floats = [r["float"] for r in reports[p]]
     assert all(f == floats[0] for f in floats)
-    expected = [math.fsum(0.1 * (g + 1) for g in range(p)), math.fsum(1.0 / (g + 3) for g in range(p))]
+    expected = [
+        math.fsum(0.1 * (g + 1) for g in range(p)),
+        math.fsum(1.0 / (g + 3) for g in range(p)),
+    ]
     assert floats[0] == pytest.approx(expected, rel=1e-12)
 
 
 @pytest.mark.parametrize("p", range(1, MAX_WORLD + 1))
-def test_both_dp_syncs_agree_over_back_to_back_calls(reports: dict[int, list[dict[str, Any]]], p: int) -> None:
+def test_both_dp_syncs_agree_over_back_to_back_calls(
+    reports: dict[int, list[dict[str, Any]]], p: int
+) -> None:
     expected = [[1, c * p * (p - 1) // 2, c * p] for c in range(CALLS)]
     for r in reports[p]:
         assert r["recursive_doubling"] == expected
@@ -183,6 +235,7 @@ def test_both_dp_syncs_agree_over_back_to_back_calls(reports: dict[int, list[dic
 
 # ----------------------------------------------------------------------------- bench smoke
 
+
 @pytest.fixture
 def restore_threads():
     threads = torch.get_num_threads()
@@ -190,10 +243,28 @@ def restore_threads():
     torch.set_num_threads(threads)
 
 
-def test_bench_allreduce_quick(tmp_path: Path, capsys: pytest.CaptureFixture, restore_threads: None) -> None:
+def test_bench_allreduce_quick(
+    tmp_path: Path, capsys: pytest.CaptureFixture, restore_threads: None
+) -> None:
     out = tmp_path / "allreduce.json"
-    assert main(["bench", "allreduce", "--quick", "--ranks", "2,3", "--repeats", "10", "--warmup", "2",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "allreduce",
+                "--quick",
+                "--ranks",
+                "2,3",
+                "--repeats",
+                "10",
+                "--warmup",
+                "2",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert [r["ranks"] for r in report["results"]] == [2, 3]
     assert [r["ours_rounds"] for r in report["results"]] == [1, 3]

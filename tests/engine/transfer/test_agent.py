@@ -1,9 +1,12 @@
-"""The NIXL agent for real, across two processes on loopback: one WRITE lands exactly the chosen blocks.
+"""The NIXL agent for real, across two processes on loopback: one WRITE lands exactly the chosen
+blocks.
 
-Process B ("decode") owns a pool filled with a marker, publishes its metadata and layout through a pipe,
-and waits for the notification; process A (this one, "prefill") writes chosen blocks of its random pool
-into non-contiguous blocks of B's. B sends back the request ids it was told and its whole pool.
+Process B ("decode") owns a pool filled with a marker, publishes its metadata and layout through a
+pipe, and waits for the notification; process A (this one, "prefill") writes chosen blocks of its
+random pool into non-contiguous blocks of B's. B sends back the request ids it was told and its
+whole pool.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -17,12 +20,13 @@ import torch
 
 from pdmesh_engine.transfer.layout import PoolLayout
 
-SHAPE = (3, 16, 4, 8)          # [L, N, B, D] float32: 128-byte blocks
+SHAPE = (3, 16, 4, 8)  # [L, N, B, D] float32: 128-byte blocks
 MARKER = -7.0
 
 
 def _receiver(conn, name: str, timeout_s: float) -> None:
-    """Child process: pool of MARKER; send (metadata, layout); wait for one notification; send (ids, pool)."""
+    """Child process: pool of MARKER; send (metadata, layout); wait for one notification; send (ids,
+    pool)."""
     from pdmesh_engine.transfer.agent import KVTransferAgent
 
     pool = torch.full(SHAPE, MARKER)
@@ -34,7 +38,7 @@ def _receiver(conn, name: str, timeout_s: float) -> None:
         got = agent.notifications()
         time.sleep(0.001)
     conn.send((got, pool.numpy().copy()))
-    conn.recv()                                     # stay alive until the sender is done
+    conn.recv()  # stay alive until the sender is done
     agent.close()
 
 
@@ -63,10 +67,11 @@ def test_one_write_moves_exactly_the_chosen_blocks_of_every_layer(receiver):
     agent = KVTransferAgent("test-prefill", source)
     try:
         agent.connect("test-decode", metadata)
-        agent.connect("test-decode", metadata)                  # idempotent
+        agent.connect("test-decode", metadata)  # idempotent
         local_ids, remote_ids = [2, 3, 4, 9, 0], [5, 6, 11, 12, 1]
         transfer = agent.write("req-42", local_ids, "test-decode", remote_layout, remote_ids)
-        assert transfer.num_regions == 3 * 4     # 3 layers x runs (2→5, 2) (4→11, 1) (9→12, 1) (0→1, 1)
+        # 3 layers x runs (2→5, 2) (4→11, 1) (9→12, 1) (0→1, 1)
+        assert transfer.num_regions == 3 * 4
         assert agent.wait(transfer, timeout_s=20) == "DONE"
         assert conn.poll(30), "receiver never answered"
         ids, pool = conn.recv()
@@ -108,7 +113,8 @@ def test_bad_writes_and_connections_are_refused():
 
 
 def test_progress_thread_sleeps_when_idle():
-    """nixl's wrapper would make the progress thread spin (~40% of a core); ours waits on UCX events."""
+    """nixl's wrapper would make the progress thread spin (~40% of a core); ours waits on UCX
+    events."""
     from pdmesh_engine.transfer.agent import KVTransferAgent
 
     agent = KVTransferAgent("test-idle", torch.zeros(SHAPE))
@@ -122,7 +128,8 @@ def test_progress_thread_sleeps_when_idle():
 
 
 def _listening_addresses() -> set[str]:
-    """Local addresses (hex, as /proc/net/tcp* write them) of this process's listening TCP sockets."""
+    """Local addresses (hex, as /proc/net/tcp* write them) of this process's listening TCP
+    sockets."""
     inodes = set()
     for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):
@@ -134,7 +141,7 @@ def _listening_addresses() -> set[str]:
         with contextlib.suppress(OSError), open(table) as f:
             for row in list(f)[1:]:
                 cols = row.split()
-                if cols[3] == "0A" and cols[9] in inodes:          # 0A: LISTEN
+                if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
                     found.add(cols[1].rsplit(":", 1)[0])
     return found
 
@@ -145,10 +152,10 @@ def test_agent_listens_on_loopback_only():
 
     agent = KVTransferAgent("test-loopback", torch.zeros(SHAPE), progress_thread=False)
     try:
-        listening = _listening_addresses()     # UCX may share one listener among a process's agents
+        listening = _listening_addresses()  # UCX may share one listener among a process's agents
     finally:
         agent.close()
-    loopback = {"0100007F", "00000000000000000000000001000000"}        # 127.0.0.1, ::1
+    loopback = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1
     assert listening and listening <= loopback, listening
 
 
@@ -156,11 +163,17 @@ def test_kvxfer_quick_bench_reports_positive_figures(tmp_path):
     from pdmesh_bench import kvxfer
 
     out = tmp_path / "kvxfer.json"
-    assert kvxfer.main(["--sizes", "64K,1M", "--repeats", "3", "--warmup", "1", "--json", str(out)]) == 0
+    assert (
+        kvxfer.main(["--sizes", "64K,1M", "--repeats", "3", "--warmup", "1", "--json", str(out)])
+        == 0
+    )
     report = json.loads(out.read_text())
     assert [r["bytes"] for r in report["results"]] == [64 << 10, 1 << 20]
     for row in report["results"]:
         assert row["nixl_gbps"] > 0 and row["memcpy_gbps"] > 0
         assert row["ratio"] == pytest.approx(row["nixl_gbps"] / row["memcpy_gbps"], rel=1e-2)
-        assert row["nixl_best_gbps"] >= row["nixl_gbps"] and row["memcpy_best_gbps"] >= row["memcpy_gbps"]
+        assert (
+            row["nixl_best_gbps"] >= row["nixl_gbps"]
+            and row["memcpy_best_gbps"] >= row["memcpy_gbps"]
+        )
     assert report["notes"]

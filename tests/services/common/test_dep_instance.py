@@ -1,9 +1,10 @@
-"""DEP instances of the workers without processes: options, per-rank settings, the launcher's plan, and the
-engine loop's lockstep driving (a fake engine: one collective per iteration, idle back-off, shared stop)."""
+"""DEP instances of the workers without processes: options, per-rank settings, the launcher's plan,
+and the engine loop's lockstep driving (a fake engine: one collective per iteration, idle back-off,
+shared stop)."""
+
 from __future__ import annotations
 
 import argparse
-
 import asyncio
 import socket
 import time
@@ -11,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pdmesh_engine.parallel.dep import LockstepRecord
 from pdmesh.launcher import MeshOptions, plan_mesh
+from pdmesh_engine.parallel.dep import LockstepRecord
 from pdmesh_service.options import CommonConfig
 from pdmesh_service.redis_server import free_port_block
 from pdmesh_service.worker import engine_loop
@@ -23,41 +24,71 @@ from pdmesh_service.worker.engine_loop import EngineLoop
 def test_dep_options_validate() -> None:
     assert DEPOptions(2).is_supervisor and not DEPOptions(2).is_rank
     assert DEPOptions(2, 1, 29500).is_rank and not DEPOptions(1).is_supervisor
-    for bad, message in [(dict(size=0), "--dep"), (dict(size=2, rank=2, dist_port=1), "--dep-rank"),
-                         (dict(size=2, rank=0), "--dist-port"), (dict(size=2, dp_sync="ring"), "--dp-sync"),
-                         (dict(size=1, num_redundant_experts=2), "needs --dep > 1")]:
+    for bad, message in [
+        (dict(size=0), "--dep"),
+        (dict(size=2, rank=2, dist_port=1), "--dep-rank"),
+        (dict(size=2, rank=0), "--dist-port"),
+        (dict(size=2, dp_sync="ring"), "--dp-sync"),
+        (dict(size=1, num_redundant_experts=2), "needs --dep > 1"),
+    ]:
         with pytest.raises(ValueError, match=message):
             DEPOptions(**bad)
 
 
 def test_rank_common_gives_each_rank_its_port_id_and_metrics() -> None:
     common = CommonConfig(port=7000, metrics_port=9000)
-    assert rank_common(common, "decode", DEPOptions(4)) == common                    # the supervisor: as given
+    assert rank_common(common, "decode", DEPOptions(4)) == common  # the supervisor: as given
     rank = rank_common(common, "decode", DEPOptions(4, 3, 29500))
     assert (rank.port, rank.instance_id, rank.metrics_port) == (7003, "decode-7000-r3", 9003)
-    named = rank_common(CommonConfig(port=7000, instance_id="decode-0"), "decode", DEPOptions(2, 1, 29500))
+    named = rank_common(
+        CommonConfig(port=7000, instance_id="decode-0"), "decode", DEPOptions(2, 1, 29500)
+    )
     assert (named.instance_id, named.metrics_port) == ("decode-0-r1", None)
     by_hand = rank_common(CommonConfig(), "prefill", DEPOptions(2, 1, 29500))
-    assert (by_hand.port, by_hand.instance_id) == (0, "")                           # any free port, ROLE-PORT
+    assert (by_hand.port, by_hand.instance_id) == (0, "")  # any free port, ROLE-PORT
     assert master_addr("0.0.0.0") == "127.0.0.1" and master_addr("10.0.0.5") == "10.0.0.5"
 
 
 def test_rank_argv_pins_the_rank_after_the_options() -> None:
     argv = rank_argv("decode", ["--dep", "2", "--port", "0"], 1, 7000, 29500)
     module = argv.index("-m") + 1
-    assert argv[module:] == ["pdmesh_decode", "--dep", "2", "--port", "0", "--port", "7000", "--dist-port", "29500",
-                             "--dep-rank", "1"]
+    assert argv[module:] == [
+        "pdmesh_decode",
+        "--dep",
+        "2",
+        "--port",
+        "0",
+        "--port",
+        "7000",
+        "--dist-port",
+        "29500",
+        "--dep-rank",
+        "1",
+    ]
 
 
 def test_plan_mesh_gives_dep_instances_a_port_block() -> None:
     ports = iter(range(6000, 6100))
-    options = MeshOptions(Path("m"), num_prefill=1, num_decode=2, prefill_dep=1, decode_dep=4, num_redundant_experts=4)
-    specs = plan_mesh(options, "redis://x", port_of=lambda host: next(ports), block_of=lambda host, n: 7000 + 10 * n)
-    prefill, decode = [s for s in specs if s.role == "prefill"], [s for s in specs if s.role == "decode"]
+    options = MeshOptions(
+        Path("m"), num_prefill=1, num_decode=2, prefill_dep=1, decode_dep=4, num_redundant_experts=4
+    )
+    specs = plan_mesh(
+        options,
+        "redis://x",
+        port_of=lambda host: next(ports),
+        block_of=lambda host, n: 7000 + 10 * n,
+    )
+    prefill, decode = (
+        [s for s in specs if s.role == "prefill"],
+        [s for s in specs if s.role == "decode"],
+    )
     assert prefill[0].addresses == (prefill[0].grpc_address,) and "--dep" not in prefill[0].argv
     assert decode[0].addresses == tuple(f"127.0.0.1:{7040 + r}" for r in range(4))
     argv = decode[1].argv
-    assert argv[argv.index("--dep") + 1] == "4" and argv[argv.index("--num-redundant-experts") + 1] == "4"
+    assert (
+        argv[argv.index("--dep") + 1] == "4"
+        and argv[argv.index("--num-redundant-experts") + 1] == "4"
+    )
     assert options.num_worker_processes == 9
     with pytest.raises(ValueError, match="needs --prefill-dep or --decode-dep"):
         MeshOptions(Path("m"), num_redundant_experts=2)
@@ -111,13 +142,13 @@ def test_idle_lockstep_backs_off_and_stops_every_rank_together() -> None:
         loop.start()
         await asyncio.sleep(0.5)
         idle_steps = engine.steps
-        assert await loop.submit(lambda: 42) == 42      # commands still run between syncs
+        assert await loop.submit(lambda: 42) == 42  # commands still run between syncs
         await loop.stop()
         return idle_steps, engine.steps, await loop.ended, engine.lockstep.last.stop
 
     idle_steps, steps, reason, last_stop = _run(scenario())
     cap = 0.5 / engine_loop.IDLE_SYNC_MAX_S
-    assert 5 <= idle_steps <= cap + 15, idle_steps     # keeps syncing, but not in a busy spin
+    assert 5 <= idle_steps <= cap + 15, idle_steps  # keeps syncing, but not in a busy spin
     assert reason == "stopped" and last_stop and steps > idle_steps
 
 
@@ -150,15 +181,23 @@ def test_launcher_passes_gateway_admission_only_when_set() -> None:
 def test_plan_mesh_starts_the_eplb_controller_after_the_kvstore() -> None:
     specs = plan_mesh(MeshOptions(model_dir=Path("/m")), "redis://127.0.0.1:1/0")
     roles = [s.role for s in specs]
-    assert roles.index("kvstore") < roles.index("eplb") < roles.index("prefill") < roles.index("gateway")
+    assert (
+        roles.index("kvstore")
+        < roles.index("eplb")
+        < roles.index("prefill")
+        < roles.index("gateway")
+    )
     eplb = next(s for s in specs if s.role == "eplb")
     assert eplb.argv[eplb.argv.index("serve") + 1] == "eplb" and "--model" not in eplb.argv
 
 
 def test_dist_host_ranks_one_per_host_keep_their_ports_and_meet_at_rank_zero() -> None:
     dep = DEPOptions(4, 2, 29500, dist_host="decode-0.decode-ranks")
-    rank = rank_common(CommonConfig(host="0.0.0.0", port=50051, instance_id="decode-0", metrics_port=9090),
-                       "decode", dep)
+    rank = rank_common(
+        CommonConfig(host="0.0.0.0", port=50051, instance_id="decode-0", metrics_port=9090),
+        "decode",
+        dep,
+    )
     assert (rank.port, rank.metrics_port, rank.instance_id) == (50051, 9090, "decode-0-r2")
     assert master_addr("0.0.0.0", dep.dist_host) == "decode-0.decode-ranks"
     with pytest.raises(ValueError, match="--dist-host"):

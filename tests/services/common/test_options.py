@@ -1,4 +1,5 @@
 """Common service options: flags over PDMESH_* environment defaults over built-in defaults."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,10 +17,18 @@ def _parse(argv: list[str], environ: dict[str, str]) -> CommonConfig:
 
 
 def test_environment_gives_defaults_and_flags_win() -> None:
-    env = {"PDMESH_REDIS_URL": "redis://redis:6379/0", "PDMESH_METRICS_PORT": "9090",
-           "PDMESH_ADVERTISE_HOST": "decode-0", "PDMESH_DEPLOYMENT": "prod"}
+    env = {
+        "PDMESH_REDIS_URL": "redis://redis:6379/0",
+        "PDMESH_METRICS_PORT": "9090",
+        "PDMESH_ADVERTISE_HOST": "decode-0",
+        "PDMESH_DEPLOYMENT": "prod",
+    }
     config = _parse([], env)
-    assert (config.redis_url, config.metrics_port, config.deployment) == ("redis://redis:6379/0", 9090, "prod")
+    assert (config.redis_url, config.metrics_port, config.deployment) == (
+        "redis://redis:6379/0",
+        9090,
+        "prod",
+    )
     assert config.address(50051) == "decode-0:50051"
     assert _parse(["--redis-url", "redis://other:1/0"], env).redis_url == "redis://other:1/0"
     assert _parse([], {}).redis_url == "redis://127.0.0.1:6379/0"

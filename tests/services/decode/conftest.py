@@ -1,5 +1,6 @@
-"""The decode tests reuse the worker mesh of tests/services/common/test_workers.py (imported as `test_workers`,
-as pytest does when it collects that folder), so they also run on their own."""
+"""The decode tests reuse the worker mesh of tests/services/common/test_workers.py (imported as
+`test_workers`, as pytest does when it collects that folder), so they also run on their own."""
+
 from __future__ import annotations
 
 import sys

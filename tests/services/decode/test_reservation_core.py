@@ -1,4 +1,6 @@
-"""The decode reservation core, pure: the transition table, each lease decision, and the book that keeps them."""
+"""The decode reservation core, pure: the transition table, each lease decision, and the book that
+keeps them."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,9 +24,19 @@ State, Event, Action = ReservationState, ReservationEvent, LeaseAction
 LEASE_S, CAP_S, NOW = 10.0, 30.0, 100.0
 
 
-def reservation(state: ReservationState = State.PUBLISHED, arrived: Arrived = Arrived.NOTHING) -> Reservation:
-    return Reservation("r", num_blocks=2, num_prompt_tokens=12, lease_s=LEASE_S, cap_s=CAP_S, serial=1,
-                       state=state, arrived=arrived)
+def reservation(
+    state: ReservationState = State.PUBLISHED, arrived: Arrived = Arrived.NOTHING
+) -> Reservation:
+    return Reservation(
+        "r",
+        num_blocks=2,
+        num_prompt_tokens=12,
+        lease_s=LEASE_S,
+        cap_s=CAP_S,
+        serial=1,
+        state=state,
+        arrived=arrived,
+    )
 
 
 LIVE = [s for s in State if not s.is_final]
@@ -52,23 +64,36 @@ def test_the_graph_has_no_cycle() -> None:
         assert state not in reachable(state), state
 
 
-@pytest.mark.parametrize("old,new", [(State.HELD, State.EXPIRING), (State.PUBLISHED, State.LAPSING),
-                                     (State.EXTENDED, State.EXPIRING), (State.LAPSING, State.EXTENDED),
-                                     (State.ADMITTED, State.CANCELLED), (State.DROPPED, State.PUBLISHED)])
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        (State.HELD, State.EXPIRING),
+        (State.PUBLISHED, State.LAPSING),
+        (State.EXTENDED, State.EXPIRING),
+        (State.LAPSING, State.EXTENDED),
+        (State.ADMITTED, State.CANCELLED),
+        (State.DROPPED, State.PUBLISHED),
+    ],
+)
 def test_illegal_moves_raise(old: ReservationState, new: ReservationState) -> None:
     with pytest.raises(FailedPrecondition, match=f"from {old.name} to {new.name}"):
         check_move(old, new)
 
 
-@pytest.mark.parametrize("state,event", [
-    (State.PUBLISHED, Event.PUBLISHED),          # published twice
-    (State.HELD, Event.DEADLINE),                # no lease runs before it is published
-    (State.EXPIRING, Event.DEADLINE),            # nor while the kvstore is asked
-    (State.PUBLISHED, Event.KV_MAY_ARRIVE),      # an answer nobody asked for
-    (State.EXTENDED, Event.KV_WONT_ARRIVE),
-    (State.LAPSING, Event.KV_MAY_ARRIVE),        # the cap passed: no second extension
-])
-def test_events_the_state_does_not_allow_raise(state: ReservationState, event: ReservationEvent) -> None:
+@pytest.mark.parametrize(
+    "state,event",
+    [
+        (State.PUBLISHED, Event.PUBLISHED),  # published twice
+        (State.HELD, Event.DEADLINE),  # no lease runs before it is published
+        (State.EXPIRING, Event.DEADLINE),  # nor while the kvstore is asked
+        (State.PUBLISHED, Event.KV_MAY_ARRIVE),  # an answer nobody asked for
+        (State.EXTENDED, Event.KV_WONT_ARRIVE),
+        (State.LAPSING, Event.KV_MAY_ARRIVE),  # the cap passed: no second extension
+    ],
+)
+def test_events_the_state_does_not_allow_raise(
+    state: ReservationState, event: ReservationEvent
+) -> None:
     with pytest.raises(FailedPrecondition):
         decide(reservation(state), event, NOW)
 
@@ -83,16 +108,21 @@ def test_a_final_reservation_takes_no_event(state: ReservationState) -> None:
 # ----- the decisions -----
 def test_publishing_starts_the_lease() -> None:
     decision = decide(reservation(State.HELD), Event.PUBLISHED, NOW)
-    assert (decision.reservation.state, decision.action, decision.until) == (State.PUBLISHED, Action.WAIT,
-                                                                              NOW + LEASE_S)
+    assert (decision.reservation.state, decision.action, decision.until) == (
+        State.PUBLISHED,
+        Action.WAIT,
+        NOW + LEASE_S,
+    )
 
 
-@pytest.mark.parametrize("first,second", [(Event.KV_ARRIVED, Event.DECODE_CALLED),
-                                          (Event.DECODE_CALLED, Event.KV_ARRIVED)])
+@pytest.mark.parametrize(
+    "first,second",
+    [(Event.KV_ARRIVED, Event.DECODE_CALLED), (Event.DECODE_CALLED, Event.KV_ARRIVED)],
+)
 @pytest.mark.parametrize("state", LIVE)
-def test_admitted_once_both_the_kv_and_the_call_are_in_in_either_order(first: ReservationEvent,
-                                                                       second: ReservationEvent,
-                                                                       state: ReservationState) -> None:
+def test_admitted_once_both_the_kv_and_the_call_are_in_in_either_order(
+    first: ReservationEvent, second: ReservationEvent, state: ReservationState
+) -> None:
     one = decide(reservation(state), first, NOW, first_token_id=7)
     assert one.action is Action.KEEP and one.reservation.state is state
     both = decide(one.reservation, second, NOW, first_token_id=7)
@@ -116,13 +146,20 @@ def test_lease_out_without_the_kv_asks_the_kvstore() -> None:
 
 def test_lease_out_with_the_kv_in_waits_for_the_call_until_the_cap() -> None:
     decision = decide(reservation(arrived=Arrived.KV), Event.DEADLINE, NOW)
-    assert (decision.reservation.state, decision.action, decision.until) == (State.EXTENDED, Action.WAIT,
-                                                                              NOW + CAP_S)
+    assert (decision.reservation.state, decision.action, decision.until) == (
+        State.EXTENDED,
+        Action.WAIT,
+        NOW + CAP_S,
+    )
 
 
 def test_claimed_waits_until_the_cap_unclaimed_is_dropped() -> None:
     claimed = decide(reservation(State.EXPIRING), Event.KV_MAY_ARRIVE, NOW)
-    assert (claimed.reservation.state, claimed.action, claimed.until) == (State.EXTENDED, Action.WAIT, NOW + CAP_S)
+    assert (claimed.reservation.state, claimed.action, claimed.until) == (
+        State.EXTENDED,
+        Action.WAIT,
+        NOW + CAP_S,
+    )
     unclaimed = decide(reservation(State.EXPIRING), Event.KV_WONT_ARRIVE, NOW)
     assert (unclaimed.reservation.state, unclaimed.action) == (State.DROPPED, Action.DROP)
 
@@ -134,18 +171,27 @@ def test_the_cap_ends_the_claimed_record_then_drops() -> None:
     assert (dropped.reservation.state, dropped.action) == (State.DROPPED, Action.DROP)
 
 
-@pytest.mark.parametrize("state,arrived,action", [
-    (State.HELD, Arrived.NOTHING, Action.FREE),                 # nobody knew the blocks
-    (State.HELD, Arrived.CALL, Action.FREE),
-    (State.PUBLISHED, Arrived.KV, Action.END_AND_FREE),         # the WRITE landed: nothing else can come
-    (State.EXTENDED, Arrived.KV, Action.END_AND_FREE),
-    (State.PUBLISHED, Arrived.NOTHING, Action.QUARANTINE),      # a WRITE may be in flight
-    (State.PUBLISHED, Arrived.CALL, Action.QUARANTINE),
-    (State.EXPIRING, Arrived.NOTHING, Action.QUARANTINE),
-    (State.EXTENDED, Arrived.NOTHING, Action.QUARANTINE),
-    (State.LAPSING, Arrived.NOTHING, Action.QUARANTINE),
-])
-def test_cancel_frees_or_quarantines(state: ReservationState, arrived: Arrived, action: LeaseAction) -> None:
+@pytest.mark.parametrize(
+    "state,arrived,action",
+    [
+        (State.HELD, Arrived.NOTHING, Action.FREE),  # nobody knew the blocks
+        (State.HELD, Arrived.CALL, Action.FREE),
+        (
+            State.PUBLISHED,
+            Arrived.KV,
+            Action.END_AND_FREE,
+        ),  # the WRITE landed: nothing else can come
+        (State.EXTENDED, Arrived.KV, Action.END_AND_FREE),
+        (State.PUBLISHED, Arrived.NOTHING, Action.QUARANTINE),  # a WRITE may be in flight
+        (State.PUBLISHED, Arrived.CALL, Action.QUARANTINE),
+        (State.EXPIRING, Arrived.NOTHING, Action.QUARANTINE),
+        (State.EXTENDED, Arrived.NOTHING, Action.QUARANTINE),
+        (State.LAPSING, Arrived.NOTHING, Action.QUARANTINE),
+    ],
+)
+def test_cancel_frees_or_quarantines(
+    state: ReservationState, arrived: Arrived, action: LeaseAction
+) -> None:
     decision = decide(reservation(state, arrived), Event.CANCELLED, NOW)
     assert decision.reservation.state is State.CANCELLED and decision.action is action
     assert decision.until == (NOW + CAP_S if action is Action.QUARANTINE else None)
@@ -166,9 +212,9 @@ def test_the_book_keeps_one_deadline_per_waiting_reservation_and_forgets_final_o
     book.apply("r", Event.PUBLISHED, NOW)
     assert book.leases.deadline("r") == NOW + LEASE_S
     book.apply("r", Event.DECODE_CALLED, NOW + 1, first_token_id=5)
-    assert book.leases.deadline("r") == NOW + LEASE_S                  # KEEP: the lease goes on
+    assert book.leases.deadline("r") == NOW + LEASE_S  # KEEP: the lease goes on
     assert book.due(NOW + LEASE_S) == ["r"]
-    book.apply("r", Event.DEADLINE, NOW + LEASE_S)                     # EXPIRING: nothing runs while asked
+    book.apply("r", Event.DEADLINE, NOW + LEASE_S)  # EXPIRING: nothing runs while asked
     assert book.leases.deadline("r") is None
     book.apply("r", Event.KV_MAY_ARRIVE, NOW + LEASE_S)
     assert book.leases.deadline("r") == NOW + LEASE_S + CAP_S

@@ -9,6 +9,7 @@ fresh plan's (and of the baseline's); never a co-located replica.
 
 Legend: L layers, E logical experts, S redundant slots, P = E + S slots, R ranks, N nodes.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,15 +32,24 @@ from pdmesh_eplb.planner import (
 
 DATA_DIR = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "expert_load"
 DECODE_FILES = sorted(DATA_DIR.glob("decode_*.json")) if DATA_DIR.is_dir() else []
-needs_data = pytest.mark.skipif(not DECODE_FILES,
-                                reason=f"no real expert loads (decode_*.json) in {DATA_DIR}")
+needs_data = pytest.mark.skipif(
+    not DECODE_FILES, reason=f"no real expert loads (decode_*.json) in {DATA_DIR}"
+)
 
 
 # ------------------------------------------------------------------------------------ helpers
 
 
-def zipf_loads(rng: np.random.Generator, num_layers: int, num_experts: int, s: float, *,
-               top_k: int = 8, tokens: int = 2048, num_dense: int = 0) -> np.ndarray:
+def zipf_loads(
+    rng: np.random.Generator,
+    num_layers: int,
+    num_experts: int,
+    s: float,
+    *,
+    top_k: int = 8,
+    tokens: int = 2048,
+    num_dense: int = 0,
+) -> np.ndarray:
     """Synthetic loads [L, E]: per layer a randomly permuted Zipf(s) share x tokens x top_k, with
     multinomial noise; the first num_dense rows are all zero (dense layers)."""
     share = np.arange(1, num_experts + 1, dtype=float) ** -s
@@ -50,8 +60,9 @@ def zipf_loads(rng: np.random.Generator, num_layers: int, num_experts: int, s: f
     return loads
 
 
-def one_hot_loads(rng: np.random.Generator, num_layers: int, num_experts: int,
-                  hot_share: float = 0.6) -> np.ndarray:
+def one_hot_loads(
+    rng: np.random.Generator, num_layers: int, num_experts: int, hot_share: float = 0.6
+) -> np.ndarray:
     """Loads [L, E] where one expert per layer takes hot_share of all load."""
     loads = rng.random((num_layers, num_experts)) + 0.01
     loads *= (1.0 - hot_share) / loads.sum(1, keepdims=True)
@@ -164,25 +175,43 @@ def test_plan_time_at_deepseek_scale() -> None:
 
 # (E, L, top_k, skew, R, S, N): skew is a Zipf exponent or "hot" (one expert takes > 50%).
 GRID = [
-    (8, 3, 2, "hot", 8, 8, 1), (8, 2, 2, 2.0, 8, 0, 1), (8, 4, 2, 1.0, 8, 16, 2),
-    (16, 61, 4, 1.5, 16, 16, 4), (16, 5, 2, 2.0, 16, 32, 1), (32, 4, 4, "hot", 16, 0, 2),
-    (48, 1, 3, 1.0, 12, 12, 3), (64, 3, 6, 1.0, 64, 0, 8), (64, 3, 8, 2.0, 8, 64, 2),
-    (128, 2, 8, 0.0, 32, 32, 1), (160, 2, 8, "hot", 32, 32, 4), (256, 4, 8, 1.2, 64, 64, 8),
-    (256, 2, 8, 2.0, 32, 512, 1), (384, 2, 8, 1.0, 64, 0, 1), (384, 2, 8, "hot", 48, 96, 4),
+    (8, 3, 2, "hot", 8, 8, 1),
+    (8, 2, 2, 2.0, 8, 0, 1),
+    (8, 4, 2, 1.0, 8, 16, 2),
+    (16, 61, 4, 1.5, 16, 16, 4),
+    (16, 5, 2, 2.0, 16, 32, 1),
+    (32, 4, 4, "hot", 16, 0, 2),
+    (48, 1, 3, 1.0, 12, 12, 3),
+    (64, 3, 6, 1.0, 64, 0, 8),
+    (64, 3, 8, 2.0, 8, 64, 2),
+    (128, 2, 8, 0.0, 32, 32, 1),
+    (160, 2, 8, "hot", 32, 32, 4),
+    (256, 4, 8, 1.2, 64, 64, 8),
+    (256, 2, 8, 2.0, 32, 512, 1),
+    (384, 2, 8, 1.0, 64, 0, 1),
+    (384, 2, 8, "hot", 48, 96, 4),
 ]
 
 
-@pytest.mark.parametrize("num_experts,num_layers,top_k,skew,num_ranks,num_redundant,num_nodes",
-                         GRID)
-def test_synthetic_grid(num_experts: int, num_layers: int, top_k: int, skew: float | str,
-                        num_ranks: int, num_redundant: int, num_nodes: int) -> None:
+@pytest.mark.parametrize(
+    "num_experts,num_layers,top_k,skew,num_ranks,num_redundant,num_nodes", GRID
+)
+def test_synthetic_grid(
+    num_experts: int,
+    num_layers: int,
+    top_k: int,
+    skew: float | str,
+    num_ranks: int,
+    num_redundant: int,
+    num_nodes: int,
+) -> None:
     rng = np.random.default_rng(num_experts * 1000 + num_ranks + num_redundant)
     if skew == "hot":
         loads = one_hot_loads(rng, num_layers, num_experts)
     else:
         loads = zipf_loads(rng, num_layers, num_experts, float(skew), top_k=top_k)
     if num_layers > 2:
-        loads[0] = 0.0                                                  # a dense layer
+        loads[0] = 0.0  # a dense layer
     ours = plan(loads, num_ranks, num_redundant, num_nodes=num_nodes)
     p2l = ours.physical_to_logical
     assert_valid(p2l, loads, num_ranks, num_redundant)
@@ -238,7 +267,7 @@ def test_previous_with_co_location_is_repaired() -> None:
     rng = np.random.default_rng(2)
     loads = zipf_loads(rng, 3, 16, 1.5)
     prev = identity(3, 16, 16)
-    prev[:, 1] = prev[:, 0]          # rank 0 holds expert 0 twice; expert 1 lives on in slot 17
+    prev[:, 1] = prev[:, 0]  # rank 0 holds expert 0 twice; expert 1 lives on in slot 17
     assert simulate.colocated_replicas(prev, 8) == 3
     new = plan(loads, 8, 16, previous=prev).physical_to_logical
     assert_valid(new, loads, 8, 16)
@@ -265,7 +294,7 @@ def test_bad_input_raises_value_error() -> None:
     with pytest.raises(ValueError, match="redundant"):
         plan(loads, 4, -4)
     with pytest.raises(ValueError, match="at most 2 replicas"):
-        plan(loads, 2, 24)                       # 20 slots per rank > 16 experts
+        plan(loads, 2, 24)  # 20 slots per rank > 16 experts
     with pytest.raises(ValueError, match="nodes"):
         plan(loads, 4, 0, num_nodes=3)
     with pytest.raises(ValueError, match="non-negative"):
@@ -293,7 +322,7 @@ def test_bad_input_raises_value_error() -> None:
 
 def test_balancedness_and_moves_by_hand() -> None:
     loads = np.array([[0.0, 0.0, 0.0, 0.0], [6.0, 2.0, 1.0, 1.0]])
-    p2l = np.array([[0, 1, 2, 3, 0, 1], [0, 1, 0, 2, 3, 1]])     # R = 2: slots 0-2 | 3-5
+    p2l = np.array([[0, 1, 2, 3, 0, 1], [0, 1, 0, 2, 3, 1]])  # R = 2: slots 0-2 | 3-5
     # layer 1: expert 0 in 2 replicas (3 each), expert 1 in 2 (1 each): ranks 3+1+3=7 | 1+1+1=3
     np.testing.assert_allclose(balancedness(loads, p2l, 2), [1.0, 5.0 / 7.0])
     assert planner.window_balancedness(loads, p2l, 2) == pytest.approx(5.0 / 7.0)
@@ -305,12 +334,12 @@ def test_balancedness_and_moves_by_hand() -> None:
 
 def test_baseline_is_greedy_and_may_co_locate() -> None:
     loads = np.array([[100.0, 1.0, 1.0, 1.0]])
-    base = plan_from_scratch(loads, 2, 4).physical_to_logical    # 8 slots, 4 per rank
-    assert (base == 0).sum() == 5                     # all 4 extra slots to the hot expert
+    base = plan_from_scratch(loads, 2, 4).physical_to_logical  # 8 slots, 4 per rank
+    assert (base == 0).sum() == 5  # all 4 extra slots to the hot expert
     assert simulate.colocated_replicas(base, 2) > 0
     ours = plan(loads, 2, 4).physical_to_logical
     assert_valid(ours, loads, 2, 4)
-    assert (ours == 0).sum() == 2                                # at most R replicas
+    assert (ours == 0).sum() == 2  # at most R replicas
 
 
 # ---------------------------------------------------------------------------- files, JSON, CLI
@@ -323,10 +352,11 @@ def test_plan_json_round_trip(tmp_path: Path) -> None:
     planner.save_plan(p, tmp_path / "plan.json")
     assert planner.load_plan(tmp_path / "plan.json") == p
     with pytest.raises(ValueError):
-        p.physical_to_logical[0, 0] = 1                         # read-only
+        p.physical_to_logical[0, 0] = 1  # read-only
     with pytest.raises(ValueError, match="num_slots"):
-        Plan.from_json({"num_ranks": 4, "num_slots": 12,
-                        "physical_to_logical": identity(3, 8, 8).tolist()})
+        Plan.from_json(
+            {"num_ranks": 4, "num_slots": 12, "physical_to_logical": identity(3, 8, 8).tolist()}
+        )
     with pytest.raises(ValueError, match="split evenly"):
         Plan(identity(3, 8, 8), 3)
 
@@ -336,21 +366,64 @@ def test_cli_plan_and_rebalance(tmp_path: Path, capsys: pytest.CaptureFixture[st
     loads = zipf_loads(rng, 5, 32, 1.0, num_dense=1)
     (tmp_path / "a.json").write_text(json.dumps({"logical_count": loads.tolist()}))
     (tmp_path / "b.json").write_text(json.dumps({"logical_count": drift(rng, loads).tolist()}))
-    assert planner.main(["--loads", str(tmp_path / "a.json"), "--ranks", "8", "--redundant", "8",
-                         "--out", str(tmp_path / "p1.json")]) == 0
+    assert (
+        planner.main(
+            [
+                "--loads",
+                str(tmp_path / "a.json"),
+                "--ranks",
+                "8",
+                "--redundant",
+                "8",
+                "--out",
+                str(tmp_path / "p1.json"),
+            ]
+        )
+        == 0
+    )
     assert "balancedness" in capsys.readouterr().out
     first = planner.load_plan(tmp_path / "p1.json")
     assert_valid(first.physical_to_logical, loads, 8, 8)
-    assert planner.main(["--loads", str(tmp_path / "b.json"), "--ranks", "8", "--redundant", "8",
-                         "--nodes", "2",
-                         "--previous", str(tmp_path / "p1.json"), "--move-budget", "0.1",
-                         "--out", str(tmp_path / "p2.json")]) == 0
+    assert (
+        planner.main(
+            [
+                "--loads",
+                str(tmp_path / "b.json"),
+                "--ranks",
+                "8",
+                "--redundant",
+                "8",
+                "--nodes",
+                "2",
+                "--previous",
+                str(tmp_path / "p1.json"),
+                "--move-budget",
+                "0.1",
+                "--out",
+                str(tmp_path / "p2.json"),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "slots moved" in out and "ms" in out
     second = planner.load_plan(tmp_path / "p2.json").physical_to_logical
     assert planner.moved_slots_per_layer(first.physical_to_logical, second).max() <= 4
-    assert planner.main(["--loads", str(tmp_path / "a.json"), "--ranks", "7", "--redundant", "8",
-                         "--out", str(tmp_path / "p3.json")]) == 2
+    assert (
+        planner.main(
+            [
+                "--loads",
+                str(tmp_path / "a.json"),
+                "--ranks",
+                "7",
+                "--redundant",
+                "8",
+                "--out",
+                str(tmp_path / "p3.json"),
+            ]
+        )
+        == 2
+    )
     assert "divisible" in capsys.readouterr().out and not (tmp_path / "p3.json").exists()
 
 
@@ -361,13 +434,13 @@ def test_sample_step_loads_matches_window() -> None:
     rng = np.random.default_rng(8)
     window = zipf_loads(rng, 3, 32, 1.0, top_k=4, num_dense=1)
     window[2] = 0.0
-    window[2, 5] = 1e6                     # one expert takes > 1/K of the picks: capped at 1
+    window[2, 5] = 1e6  # one expert takes > 1/K of the picks: capped at 1
     window[2, :5] = 1.0
     steps = np.stack([simulate.sample_step_loads(window, 500, 4, rng) for _ in range(40)])
     assert steps.shape == (40, 3, 32)
     assert (steps[:, 0] == 0).all()
     np.testing.assert_array_equal(steps[:, 1:].sum(2), 500 * 4)  # K distinct picks per token
-    assert steps.max() <= 500                                    # an expert at most once per token
+    assert steps.max() <= 500  # an expert at most once per token
     assert (steps[:, 2, 5] == 500).all()
     share = steps[:, 1].sum(0) / steps[:, 1].sum()
     np.testing.assert_allclose(share, window[1] / window[1].sum(), atol=0.01)
@@ -378,9 +451,9 @@ def test_per_step_measures() -> None:
     step = np.full((2, 8), 10.0)
     step[0] = 0.0
     assert simulate.per_step_balancedness(step, identity(2, 8, 0), 4, rng).tolist() == [1.0, 1.0]
-    p2l = np.array([[0, 1, 0, 2, 0, 3, 0, 1]])     # expert 0 on all 4 ranks (2 slots per rank)
+    p2l = np.array([[0, 1, 0, 2, 0, 3, 0, 1]])  # expert 0 on all 4 ranks (2 slots per rank)
     split = simulate.per_step_balancedness(np.array([[1000.0, 0, 0, 0]]), p2l, 4, rng)
-    assert 0.8 < split[0] < 1.0                      # 1000 tokens spread over 4 replicas at random
+    assert 0.8 < split[0] < 1.0  # 1000 tokens spread over 4 replicas at random
     ref = simulate.uniform_reference(identity(2, 64, 0), 8, 2048, 8, rng)
     assert ref.shape == (2,) and (0.8 < ref).all() and (ref < 1.0).all()
 
@@ -395,7 +468,7 @@ def test_drift_chain_is_a_renormalised_random_walk() -> None:
     assert (chain[:, 0] == 0).all()
     ratio = chain[1:, 1:] / chain[:-1, 1:]
     assert ratio.min() > 0.8 * 0.8 and ratio.max() < 1.2 / 0.8
-    assert np.abs(chain[4, 1:] / loads[1:] - 1).max() > 0.2     # the drift accumulates
+    assert np.abs(chain[4, 1:] / loads[1:] - 1).max() > 0.2  # the drift accumulates
 
 
 def test_evaluate_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -410,8 +483,26 @@ def test_evaluate_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert {"ours", "baseline", "identity", "uniform_reference"} <= set(r["per_step"])
     path = tmp_path / "loads.json"
     path.write_text(json.dumps({"logical_count": loads.tolist()}))
-    assert simulate.main(["--loads", str(path), "--ranks", "8", "--redundant", "8", "--steps", "1",
-                          "--tokens", "128", "--step-samples", "1",
-                          "--json", str(tmp_path / "out.json")]) == 0
+    assert (
+        simulate.main(
+            [
+                "--loads",
+                str(path),
+                "--ranks",
+                "8",
+                "--redundant",
+                "8",
+                "--steps",
+                "1",
+                "--tokens",
+                "128",
+                "--step-samples",
+                "1",
+                "--json",
+                str(tmp_path / "out.json"),
+            ]
+        )
+        == 0
+    )
     assert "loads.json" in capsys.readouterr().out
     assert json.loads((tmp_path / "out.json").read_text())["config"]["num_ranks"] == 8

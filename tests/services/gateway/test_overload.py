@@ -1,7 +1,8 @@
-"""The gateway under overload, over fake decode/prefill workers on loopback gRPC: per-prefill-rank admission
-(FCFS, at most N requests between Reserve and the end of Prefill, a client gone while queued touches no
-worker), Reserve answering RESOURCE_EXHAUSTED waits and retries until the request's timeout, and a lost
-hand-off before the first token is retried invisibly."""
+"""The gateway under overload, over fake decode/prefill workers on loopback gRPC: per-prefill-rank
+admission (FCFS, at most N requests between Reserve and the end of Prefill, a client gone while
+queued touches no worker), Reserve answering RESOURCE_EXHAUSTED waits and retries until the
+request's timeout, and a lost hand-off before the first token is retried invisibly."""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,23 +11,36 @@ from typing import Any
 import grpc
 import pytest
 from prometheus_client import CollectorRegistry
-from test_gateway_core import CONTEXT, SCRIPT_TEXT, FakeDecode, FakePrefill, _mesh, _run, _serve_fakes
+from test_gateway_core import (
+    CONTEXT,
+    SCRIPT_TEXT,
+    FakeDecode,
+    FakePrefill,
+    _mesh,
+    _run,
+    _serve_fakes,
+)
 from tokenizers import Tokenizer as HFTokenizer
 
 from pdmesh.tools.tokenizer_train import tokenizer_config, train_tokenizer
 from pdmesh_engine.tokenizer import Tokenizer
-from pdmesh_service.errors import ResourceExhausted
-from pdmesh_service.grpc_server import ADMITTED_METADATA
 from pdmesh_gateway.admission import PrefillAdmission
 from pdmesh_gateway.core import ModelInfo, build_request, fold
 from pdmesh_gateway.orchestrator import GatewayMetrics, Orchestrator
+from pdmesh_service.errors import ResourceExhausted
+from pdmesh_service.grpc_server import ADMITTED_METADATA
 
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
     cfg = tokenizer_config(CONTEXT)
-    return Tokenizer(HFTokenizer.from_str(train_tokenizer(512)), bos_token=cfg["bos_token"],
-                     eos_token=cfg["eos_token"], add_bos_token=True, chat_template=cfg["chat_template"])
+    return Tokenizer(
+        HFTokenizer.from_str(train_tokenizer(512)),
+        bos_token=cfg["bos_token"],
+        eos_token=cfg["eos_token"],
+        add_bos_token=True,
+        chat_template=cfg["chat_template"],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +49,16 @@ def model(tok: Tokenizer) -> ModelInfo:
 
 
 class PoolDecode(FakeDecode):
-    """A decode rank whose pool fits `capacity` reservations (RESOURCE_EXHAUSTED beyond), freed when the
-    Decode stream ends; it announces admission; `lose` lists request ids whose first Decode is NOT_FOUND."""
+    """A decode rank whose pool fits `capacity` reservations (RESOURCE_EXHAUSTED beyond), freed when
+    the Decode stream ends; it announces admission; `lose` lists request ids whose first Decode is
+    NOT_FOUND."""
 
     def __init__(self, script: list[int], capacity: int = 1000, lose: tuple[str, ...] = ()) -> None:
         super().__init__(script, delay=0.01)
         self.capacity, self.lose = capacity, set(lose)
         self.held: set[str] = set()
-        self.unprefilled: set[str] = set()        # reserved, their Prefill not ended (see CountingPrefill)
+        # reserved, their Prefill not ended (see CountingPrefill)
+        self.unprefilled: set[str] = set()
         self.exhausted = 0
         self.order: list[str] = []
 
@@ -60,7 +76,9 @@ class PoolDecode(FakeDecode):
             if request.request_id in self.lose:
                 self.lose.discard(request.request_id)
                 self.reserved.pop(request.request_id, None)
-                await context.abort(grpc.StatusCode.NOT_FOUND, f"no reservation for request {request.request_id!r}")
+                await context.abort(
+                    grpc.StatusCode.NOT_FOUND, f"no reservation for request {request.request_id!r}"
+                )
             await context.send_initial_metadata(((ADMITTED_METADATA, "1"),))
             async for chunk in super().Decode(request, context):
                 yield chunk
@@ -74,11 +92,17 @@ class PoolDecode(FakeDecode):
 
 
 class CountingPrefill(FakePrefill):
-    """Tracks how many requests are between their Reserve (on `decode`) and the end of their Prefill;
-    `abort_first` lists request ids whose first Prefill is ABORTED (the reservation ended first)."""
+    """Tracks how many requests are between their Reserve (on `decode`) and the end of their
+    Prefill; `abort_first` lists request ids whose first Prefill is ABORTED (the reservation ended
+    first)."""
 
-    def __init__(self, script: list[int], decode: PoolDecode, delay: float = 0.05,
-                 abort_first: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        script: list[int],
+        decode: PoolDecode,
+        delay: float = 0.05,
+        abort_first: tuple[str, ...] = (),
+    ) -> None:
         super().__init__(script, delay)
         self.decode, self.abort_first = decode, set(abort_first)
         self.most = 0
@@ -90,7 +114,9 @@ class CountingPrefill(FakePrefill):
         try:
             if request.request_id in self.abort_first:
                 self.abort_first.discard(request.request_id)
-                await context.abort(grpc.StatusCode.ABORTED, "the decode reservation ended before the KV was ready")
+                await context.abort(
+                    grpc.StatusCode.ABORTED, "the decode reservation ended before the KV was ready"
+                )
             return await super().Prefill(request, context)
         finally:
             self.decode.unprefilled.discard(request.request_id)
@@ -99,11 +125,16 @@ class CountingPrefill(FakePrefill):
         return len(self.decode.unprefilled)
 
 
-async def _orchestrator(tok, decode: PoolDecode, prefill: FakePrefill,
-                        **kw: Any) -> tuple[Orchestrator, grpc.aio.Server]:
+async def _orchestrator(
+    tok, decode: PoolDecode, prefill: FakePrefill, **kw: Any
+) -> tuple[Orchestrator, grpc.aio.Server]:
     server, address = await _serve_fakes(decode, prefill)
-    orch = Orchestrator(_mesh({"decode-0": address, "prefill-0": address}), tok,
-                        metrics=GatewayMetrics(CollectorRegistry()), **kw)
+    orch = Orchestrator(
+        _mesh({"decode-0": address, "prefill-0": address}),
+        tok,
+        metrics=GatewayMetrics(CollectorRegistry()),
+        **kw,
+    )
     return orch, server
 
 
@@ -115,18 +146,19 @@ async def _complete(orch: Orchestrator, model, tok, request_id: str, max_tokens:
 def test_admission_is_fcfs_per_rank_and_gives_back_cancelled_slots() -> None:
     async def main() -> None:
         gate = PrefillAdmission(limit=2, recheck_s=0.01)
-        ranks = lambda: ["p0", "p1"]       # noqa: E731
+        ranks = lambda: ["p0", "p1"]  # noqa: E731
         assert [await gate.acquire(ranks) for _ in range(4)] == ["p0", "p1", "p0", "p1"]
         waiters = [asyncio.ensure_future(gate.acquire(ranks)) for _ in range(3)]
         await asyncio.sleep(0.05)
         assert gate.waiting == 3 and not any(w.done() for w in waiters)
-        waiters[0].cancel()                                 # leaves the queue; the next ones keep their order
+        waiters[0].cancel()  # leaves the queue; the next ones keep their order
         gate.release("p1")
         assert await waiters[1] == "p1" and not waiters[2].done() and gate.waiting == 1
         gate.release("p0")
         assert await waiters[2] == "p0" and gate.waiting == 0
-        assert await gate.acquire(lambda: []) is None         # no usable rank: do without
+        assert await gate.acquire(lambda: []) is None  # no usable rank: do without
         assert (gate.in_flight("p0"), gate.in_flight("p1")) == (2, 2)
+
     asyncio.run(asyncio.wait_for(main(), 10))
 
 
@@ -150,10 +182,12 @@ def test_at_most_n_requests_per_prefill_rank_between_reserve_and_prefill_end(tok
             await server.stop(None)
         assert all(r.token_ids == script[:6] and r.finish_reason == "length" for r in results)
         assert prefill.most == 2 and most_waiting >= 5
-        assert sorted(decode.order) == [f"r{i}" for i in range(8)]        # first come, first served (two at a time)
+        # first come, first served (two at a time)
+        assert sorted(decode.order) == [f"r{i}" for i in range(8)]
         assert all(abs(decode.order.index(f"r{i}") - i) <= 1 for i in range(8)), decode.order
         assert orch.waiting == 0 and orch.active == 0 and orch.admission.in_flight("prefill-0") == 0
         assert orch.metrics.waiting._value.get() == 0
+
     _run(main())
 
 
@@ -162,14 +196,19 @@ def test_reserve_short_of_blocks_waits_until_blocks_come_back(tok, model) -> Non
 
     async def main() -> None:
         decode = PoolDecode(script, capacity=1)
-        orch, server = await _orchestrator(tok, decode, CountingPrefill(script, decode), max_prefill_inflight=4)
+        orch, server = await _orchestrator(
+            tok, decode, CountingPrefill(script, decode), max_prefill_inflight=4
+        )
         try:
-            results = await asyncio.gather(*(_complete(orch, model, tok, f"x{i}", 10) for i in range(4)))
+            results = await asyncio.gather(
+                *(_complete(orch, model, tok, f"x{i}", 10) for i in range(4))
+            )
         finally:
             await orch.close()
             await server.stop(None)
-        assert all(r.token_ids == script[:10] for r in results)        # no 503 while the rank is ready
+        assert all(r.token_ids == script[:10] for r in results)  # no 503 while the rank is ready
         assert decode.exhausted > 0 and sorted(decode.order) == [f"x{i}" for i in range(4)]
+
     _run(main())
 
 
@@ -187,6 +226,7 @@ def test_reserve_short_of_blocks_until_the_timeout_is_503(tok, model) -> None:
             await server.stop(None)
         assert info.value.http_status == 503 and "timeout" in str(info.value)
         assert decode.exhausted >= 3 and orch.admission.in_flight("prefill-0") == 0
+
     _run(main())
 
 
@@ -205,12 +245,14 @@ def test_client_gone_while_queued_touches_no_worker(tok, model) -> None:
             queued.cancel()
             await asyncio.gather(queued, return_exceptions=True)
             assert orch.waiting == 0 and (await first).token_ids == script[:6]
-            assert (await _complete(orch, model, tok, "after")).token_ids == script[:6]   # the slot came back
+            # the slot came back
+            assert (await _complete(orch, model, tok, "after")).token_ids == script[:6]
         finally:
             await orch.close()
             await server.stop(None)
         assert decode.order == ["first", "after"] and prefill.calls == ["Prefill", "Prefill"]
         assert decode.cancelled == [] and orch.active == 0
+
     _run(main())
 
 
@@ -220,7 +262,9 @@ def test_handoff_lost_before_the_first_token_is_retried_invisibly(tok, model, wh
 
     async def main() -> None:
         decode = PoolDecode(script, lose=("lost",) if where == "decode" else ())
-        prefill = CountingPrefill(script, decode, abort_first=("lost",) if where == "prefill" else ())
+        prefill = CountingPrefill(
+            script, decode, abort_first=("lost",) if where == "prefill" else ()
+        )
         orch, server = await _orchestrator(tok, decode, prefill)
         try:
             req = build_request("lost", tok.encode("Hi"), {"max_tokens": 6}, model, "tiny")
@@ -229,6 +273,9 @@ def test_handoff_lost_before_the_first_token_is_retried_invisibly(tok, model, wh
             await orch.close()
             await server.stop(None)
         assert fold(events).token_ids == script[:6] and events[0].token_ids == (script[0],)
-        assert decode.order == ["lost", "lost"] and prefill.seen == ["lost", "lost"]     # one whole retry
-        assert decode.calls.count("Decode") == 1 and not decode.lose              # the lost one answered at once
+        # one whole retry
+        assert decode.order == ["lost", "lost"] and prefill.seen == ["lost", "lost"]
+        # the lost one answered at once
+        assert decode.calls.count("Decode") == 1 and not decode.lose
+
     _run(main())

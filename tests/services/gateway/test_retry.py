@@ -1,4 +1,6 @@
-"""The gateway's retry decisions (pure): what is tried again, how long it waits, and tenacity driving them."""
+"""The gateway's retry decisions (pure): what is tried again, how long it waits, and tenacity
+driving them."""
+
 from __future__ import annotations
 
 import asyncio
@@ -6,8 +8,15 @@ import asyncio
 import pytest
 from tenacity import AsyncRetrying
 
-from pdmesh_gateway.retry import (BlocksWait, DecodeFull, HandoffLost, Overloaded, RetryPolicy, StartRetry,
-                                  is_rank_failure)
+from pdmesh_gateway.retry import (
+    BlocksWait,
+    DecodeFull,
+    HandoffLost,
+    Overloaded,
+    RetryPolicy,
+    StartRetry,
+    is_rank_failure,
+)
 from pdmesh_gateway.router import NoInstance
 from pdmesh_service import errors
 
@@ -17,12 +26,21 @@ def test_rank_failures_are_retried_up_to_max_attempts_with_doubling_backoff() ->
     down = errors.Unavailable("decode d0: down")
     assert policy.should_retry([down]) and policy.wait_s([down]) == pytest.approx(0.04)
     assert policy.should_retry([down, errors.ResourceExhausted("full")])
-    assert policy.wait_s([down, down]) == pytest.approx(0.05)                  # 0.08, capped
-    assert not policy.should_retry([down, down, down])                          # three tries in all
+    assert policy.wait_s([down, down]) == pytest.approx(0.05)  # 0.08, capped
+    assert not policy.should_retry([down, down, down])  # three tries in all
 
 
-@pytest.mark.parametrize("error", [NoInstance("none"), Overloaded("waited"), errors.DeadlineExceeded("late"),
-                                   errors.InvalidArgument("bad"), asyncio.CancelledError(), RuntimeError("bug")])
+@pytest.mark.parametrize(
+    "error",
+    [
+        NoInstance("none"),
+        Overloaded("waited"),
+        errors.DeadlineExceeded("late"),
+        errors.InvalidArgument("bad"),
+        asyncio.CancelledError(),
+        RuntimeError("bug"),
+    ],
+)
 def test_final_errors_are_never_retried(error: BaseException) -> None:
     assert not is_rank_failure(error)
     assert not RetryPolicy(max_attempts=10, handoff_retries=10).should_retry([error])
@@ -33,9 +51,11 @@ def test_lost_handoffs_are_retried_at_once_on_their_own_budget() -> None:
     lost, down = HandoffLost("prefill p0: aborted"), errors.Unavailable("down")
     assert policy.should_retry([lost]) and policy.wait_s([lost]) == 0.0
     assert policy.should_retry([lost, lost]) and not policy.should_retry([lost, lost, lost])
-    assert policy.should_retry([lost, lost, down])           # a rank failure has its own count
-    assert not policy.should_retry([down, lost, lost, down])  # the second rank failure ends it (max_attempts=2)
-    assert policy.should_retry([down, down, lost])           # and a lost hand-off after them still has its budget
+    assert policy.should_retry([lost, lost, down])  # a rank failure has its own count
+    # the second rank failure ends it (max_attempts=2)
+    assert not policy.should_retry([down, lost, lost, down])
+    # and a lost hand-off after them still has its budget
+    assert policy.should_retry([down, down, lost])
 
 
 def test_policy_rejects_nonsense() -> None:
@@ -46,7 +66,8 @@ def test_policy_rejects_nonsense() -> None:
 
 
 def test_tenacity_runs_the_start_decisions() -> None:
-    """A lost hand-off, then a failing rank, then success: three tries; the failures are recorded in order."""
+    """A lost hand-off, then a failing rank, then success: three tries; the failures are recorded in
+    order."""
     outcomes: list[BaseException | None] = [HandoffLost("lost"), errors.Unavailable("down"), None]
     calls: list[int] = []
 
@@ -79,11 +100,15 @@ def test_tenacity_raises_the_final_error_itself() -> None:
 
 
 def test_blocks_wait_backs_off_within_the_deadline_and_stops_after_it() -> None:
-    """Passes that find every rank full are repeated until the deadline; then the callback's Overloaded."""
+    """Passes that find every rank full are repeated until the deadline; then the callback's
+    Overloaded."""
+
     async def main() -> tuple[list[float], int]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 0.2
-        wait = BlocksWait(remaining=lambda: deadline - loop.time(), backoff_s=0.01, max_backoff_s=0.04)
+        wait = BlocksWait(
+            remaining=lambda: deadline - loop.time(), backoff_s=0.01, max_backoff_s=0.04
+        )
         slept: list[float] = []
         passes: list[None] = []
 
@@ -99,14 +124,19 @@ def test_blocks_wait_backs_off_within_the_deadline_and_stops_after_it() -> None:
             raise Overloaded("timeout")
 
         with pytest.raises(Overloaded):
-            await AsyncRetrying(retry=wait.retry, wait=wait.wait, stop=wait.stop, sleep=sleep,
-                                retry_error_callback=overloaded)(full_pass)
+            await AsyncRetrying(
+                retry=wait.retry,
+                wait=wait.wait,
+                stop=wait.stop,
+                sleep=sleep,
+                retry_error_callback=overloaded,
+            )(full_pass)
         assert loop.time() >= deadline
         return slept, len(passes)
 
     slept, num_passes = asyncio.run(main())
     assert slept[:3] == pytest.approx([0.01, 0.02, 0.04]) and max(slept) <= 0.04 + 1e-9
-    assert num_passes == len(slept) + 1                      # a pass after every wait, the last one past the deadline
+    assert num_passes == len(slept) + 1  # a pass after every wait, the last one past the deadline
 
 
 def test_blocks_wait_does_not_retry_other_errors() -> None:

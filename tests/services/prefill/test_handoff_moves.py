@@ -4,6 +4,7 @@ an unreachable kvstore that comes up later or never, and answers lost in transit
 
 Each test starts a kvstore under a fresh deployment namespace and talks to it with `KVStoreClient`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,9 +56,20 @@ async def kvstore(redis_url: str, deployment: str, port: int = 0) -> AsyncIterat
     """A kvstore server on 127.0.0.1 (`port`; 0: any): its address while the block runs."""
     parser = argparse.ArgumentParser()
     kvstore_server.add_arguments(parser)
-    config = kvstore_server.config_from_args(parser.parse_args([
-        "--redis-url", redis_url, "--deployment", deployment, "--port", str(port),
-        "--heartbeat-s", "0.2"]))
+    config = kvstore_server.config_from_args(
+        parser.parse_args(
+            [
+                "--redis-url",
+                redis_url,
+                "--deployment",
+                deployment,
+                "--port",
+                str(port),
+                "--heartbeat-s",
+                "0.2",
+            ]
+        )
+    )
     ready = asyncio.Event()
     task = asyncio.ensure_future(kvstore_server.serve(config, ready))
     try:
@@ -86,6 +98,7 @@ def run(redis_url: str, body: Any) -> Any:
             finally:
                 await client.close()
                 await redis.aclose()
+
     return asyncio.run(asyncio.wait_for(main(), 60))
 
 
@@ -110,9 +123,13 @@ def test_claim_moves_reserved_once_and_records_the_prefill_rank(redis_url) -> No
 
 
 def test_end_reports_where_it_ended_from_and_leaves_final_records_alone(redis_url) -> None:
-    paths = {"from-reserved": (), "from-transferring": (S.TRANSFERRING,),
-             "from-ready": (S.TRANSFERRING, S.READY), "consumed": (S.READY, S.CONSUMED),
-             "expired": (S.EXPIRED,)}
+    paths = {
+        "from-reserved": (),
+        "from-transferring": (S.TRANSFERRING,),
+        "from-ready": (S.TRANSFERRING, S.READY),
+        "consumed": (S.READY, S.CONSUMED),
+        "expired": (S.EXPIRED,),
+    }
 
     async def body(client: KVStoreClient, store: KVStore) -> dict[str, tuple[Any, S | None]]:
         for request_id, path in paths.items():
@@ -125,21 +142,29 @@ def test_end_reports_where_it_ended_from_and_leaves_final_records_alone(redis_ur
         return found
 
     found = run(redis_url, body)
-    assert found == {"from-reserved": (S.RESERVED, S.CANCELLED),
-                     "from-transferring": (S.TRANSFERRING, S.CANCELLED),
-                     "from-ready": (S.READY, S.CANCELLED), "consumed": (S.CONSUMED, S.CONSUMED),
-                     "expired": (S.EXPIRED, S.EXPIRED), "never-opened": (None, None)}
+    assert found == {
+        "from-reserved": (S.RESERVED, S.CANCELLED),
+        "from-transferring": (S.TRANSFERRING, S.CANCELLED),
+        "from-ready": (S.READY, S.CANCELLED),
+        "consumed": (S.CONSUMED, S.CONSUMED),
+        "expired": (S.EXPIRED, S.EXPIRED),
+        "never-opened": (None, None),
+    }
     # only a record ended from TRANSFERRING (or not known) may still receive a WRITE
-    assert {rid for rid, (ended_from, _) in found.items() if may_be_written(ended_from)} == \
-        {"from-transferring", "never-opened"}
+    assert {rid for rid, (ended_from, _) in found.items() if may_be_written(ended_from)} == {
+        "from-transferring",
+        "never-opened",
+    }
 
 
 def test_expire_only_from_reserved(redis_url) -> None:
     async def body(client: KVStoreClient, store: KVStore) -> list[tuple[S | None, S]]:
         await opened(store, "unclaimed")
         await opened(store, "claimed", S.TRANSFERRING)
-        return [(await expire_handoff(client, rid), (await store.get_handoff(rid)).state)
-                for rid in ("unclaimed", "claimed")]
+        return [
+            (await expire_handoff(client, rid), (await store.get_handoff(rid)).state)
+            for rid in ("unclaimed", "claimed")
+        ]
 
     assert run(redis_url, body) == [(S.RESERVED, S.EXPIRED), (S.TRANSFERRING, S.TRANSFERRING)]
 
@@ -148,13 +173,15 @@ def test_moves_follow_the_expected_states_in_order_and_report_missing(redis_url)
     async def body(client: KVStoreClient, store: KVStore) -> list[Any]:
         await opened(store, "ours", S.TRANSFERRING)
         await opened(store, "landed", S.TRANSFERRING, S.READY)
-        return [await move_handoff(client, "ours", S.CANCELLED, (S.RESERVED, S.TRANSFERRING)),
-                await move_handoff(client, "landed", S.CANCELLED, (S.RESERVED, S.TRANSFERRING)),
-                await move_handoff(client, "gone", S.CANCELLED, (S.RESERVED,))]
+        return [
+            await move_handoff(client, "ours", S.CANCELLED, (S.RESERVED, S.TRANSFERRING)),
+            await move_handoff(client, "landed", S.CANCELLED, (S.RESERVED, S.TRANSFERRING)),
+            await move_handoff(client, "gone", S.CANCELLED, (S.RESERVED,)),
+        ]
 
     assert run(redis_url, body) == [Moved(S.TRANSFERRING), Elsewhere(S.READY), Missing()]
     with pytest.raises(ValueError, match="live states"):
-        asyncio.run(move_handoff(None, "r", S.CANCELLED, (S.CONSUMED,)))   # type: ignore[arg-type]
+        asyncio.run(move_handoff(None, "r", S.CANCELLED, (S.CONSUMED,)))  # type: ignore[arg-type]
 
 
 def test_racing_ends_move_a_record_exactly_once(redis_url) -> None:
@@ -163,8 +190,14 @@ def test_racing_ends_move_a_record_exactly_once(redis_url) -> None:
         for i in range(6):
             rid = f"race-{i}"
             await opened(store, rid, S.TRANSFERRING)
-            rounds.append(list(await asyncio.gather(move_handoff(client, rid, S.CANCELLED, LIVE),
-                                                    move_handoff(client, rid, S.EXPIRED, LIVE))))
+            rounds.append(
+                list(
+                    await asyncio.gather(
+                        move_handoff(client, rid, S.CANCELLED, LIVE),
+                        move_handoff(client, rid, S.EXPIRED, LIVE),
+                    )
+                )
+            )
         return rounds
 
     for outcomes in run(redis_url, body):
@@ -203,7 +236,7 @@ def test_transient_errors_are_retried_until_the_kvstore_comes_up(redis_url) -> N
 
     outcome, seconds, state = asyncio.run(asyncio.wait_for(main(), 60))
     assert outcome == Moved(S.RESERVED) and state == S.CANCELLED
-    assert seconds >= 0.5                      # it did wait for the server
+    assert seconds >= 0.5  # it did wait for the server
 
 
 def test_an_unreachable_kvstore_is_unknown_after_the_budget() -> None:
@@ -219,7 +252,7 @@ def test_an_unreachable_kvstore_is_unknown_after_the_budget() -> None:
 
     outcome, ended_from, seconds = asyncio.run(main())
     assert isinstance(outcome, Unknown) and "Unavailable" in outcome.reason
-    assert ended_from is None and may_be_written(ended_from)      # the safe answer: quarantine
+    assert ended_from is None and may_be_written(ended_from)  # the safe answer: quarantine
     assert 2 * FAST.budget_s <= seconds < 2 * FAST.budget_s + 5
 
 
@@ -229,8 +262,9 @@ class LostFirstAnswer:
     def __init__(self, client: KVStoreClient) -> None:
         self.client, self.num_lost = client, 0
 
-    async def update_handoff(self, request_id: str, state: S, prefill_instance: str = "",
-                             expected: S | None = None) -> Handoff:
+    async def update_handoff(
+        self, request_id: str, state: S, prefill_instance: str = "", expected: S | None = None
+    ) -> Handoff:
         record = await self.client.update_handoff(request_id, state, prefill_instance, expected)
         if self.num_lost == 0:
             self.num_lost += 1
@@ -245,12 +279,20 @@ def test_a_lost_answer_is_never_read_as_someone_elses_move(redis_url) -> None:
     async def body(client: KVStoreClient, store: KVStore) -> list[Any]:
         await opened(store, "cancel-lost", S.TRANSFERRING)
         await opened(store, "claim-lost")
-        return [await end_handoff(LostFirstAnswer(client), "cancel-lost", S.CANCELLED, policy=FAST),
-                await move_handoff(LostFirstAnswer(client), "claim-lost", S.TRANSFERRING,
-                                   (S.RESERVED,), "prefill-0", policy=FAST),
-                (await store.get_handoff("cancel-lost")).state]
+        return [
+            await end_handoff(LostFirstAnswer(client), "cancel-lost", S.CANCELLED, policy=FAST),
+            await move_handoff(
+                LostFirstAnswer(client),
+                "claim-lost",
+                S.TRANSFERRING,
+                (S.RESERVED,),
+                "prefill-0",
+                policy=FAST,
+            ),
+            (await store.get_handoff("cancel-lost")).state,
+        ]
 
     ended_from, claim, state = run(redis_url, body)
     # this call ended it, from TRANSFERRING: reading "already CANCELLED" would free the blocks
     assert state == S.CANCELLED and ended_from is None and may_be_written(ended_from)
-    assert claim == Moved(S.RESERVED)          # the record names this prefill rank: it is ours
+    assert claim == Moved(S.RESERVED)  # the record names this prefill rank: it is ours

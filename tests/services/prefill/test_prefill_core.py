@@ -1,5 +1,6 @@
 """The prefill rank's pure core: a push's state machine, what each ending owes, the claim's verdict,
 the target checks and the block plan (no engine, socket or kvstore)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -26,16 +27,29 @@ from pdmesh_service.errors import Aborted, FailedPrecondition, InvalidArgument, 
 from pdmesh_service.handoff import AlreadyFinal, Elsewhere, HandoffState, Missing, Moved, Unknown
 
 P, S = PushState, HandoffState
-LAYOUT = PoolLayout(base_address=4096, num_layers=3, num_blocks=16, block_size=8, block_bytes=256,
-                    layer_stride_bytes=16 * 256)
+LAYOUT = PoolLayout(
+    base_address=4096,
+    num_layers=3,
+    num_blocks=16,
+    block_size=8,
+    block_bytes=256,
+    layer_stride_bytes=16 * 256,
+)
 
 
 def test_push_graph_is_exactly_the_documented_one() -> None:
     edges = {(old, new) for old, news in PUSH_TRANSITIONS.items() for new in news}
-    assert edges == {(P.COMPUTING, P.CLAIMING), (P.COMPUTING, P.CANCELLED),
-                     (P.CLAIMING, P.CLAIMED), (P.CLAIMING, P.REJECTED), (P.CLAIMING, P.CANCELLED),
-                     (P.CLAIMED, P.WRITING), (P.CLAIMED, P.CANCELLED),
-                     (P.WRITING, P.WRITTEN), (P.WRITING, P.FAILED)}
+    assert edges == {
+        (P.COMPUTING, P.CLAIMING),
+        (P.COMPUTING, P.CANCELLED),
+        (P.CLAIMING, P.CLAIMED),
+        (P.CLAIMING, P.REJECTED),
+        (P.CLAIMING, P.CANCELLED),
+        (P.CLAIMED, P.WRITING),
+        (P.CLAIMED, P.CANCELLED),
+        (P.WRITING, P.WRITTEN),
+        (P.WRITING, P.FAILED),
+    }
     assert {s for s in P if s.is_final} == {P.WRITTEN, P.FAILED, P.REJECTED, P.CANCELLED}
     # every way into a final state says what it owes, and nothing else does
     assert set(END_ACTIONS) == {(old, new) for old, new in edges if new.is_final}
@@ -45,11 +59,14 @@ def test_a_write_in_flight_is_never_cancelled_nor_is_a_record_it_may_be_writing(
     assert P.CANCELLED not in PUSH_TRANSITIONS[P.WRITING]
     for (old, new), action in END_ACTIONS.items():
         if old is P.WRITING:
-            assert not action.owns_blocks     # the engine thread released them when the WRITE ended
+            assert not action.owns_blocks  # the engine thread released them when the WRITE ended
         if S.TRANSFERRING in action.cancel_from:
             # TRANSFERRING is only cancelled where no WRITE of this rank can be in flight any more
-            assert (old, new) in {(P.CLAIMING, P.CANCELLED), (P.CLAIMED, P.CANCELLED),
-                                  (P.WRITING, P.FAILED)}
+            assert (old, new) in {
+                (P.CLAIMING, P.CANCELLED),
+                (P.CLAIMED, P.CANCELLED),
+                (P.WRITING, P.FAILED),
+            }
     # a rejected claim leaves the record alone (not ours to change), but still frees the blocks
     assert END_ACTIONS[(P.CLAIMING, P.REJECTED)] == EndAction((), owns_blocks=True)
     assert END_ACTIONS[(P.COMPUTING, P.CANCELLED)].cancel_from == (S.RESERVED,)
@@ -60,31 +77,35 @@ def test_a_write_in_flight_is_never_cancelled_nor_is_a_record_it_may_be_writing(
 def test_flow_walks_the_happy_path_and_refuses_shortcuts() -> None:
     flow = PushFlow("r", "decode-0")
     with pytest.raises(FailedPrecondition, match="COMPUTING to WRITING"):
-        flow.advance(P.WRITING)                   # never write before the claim
+        flow.advance(P.WRITING)  # never write before the claim
     assert flow.state is P.COMPUTING
     assert [flow.advance(s) for s in (P.CLAIMING, P.CLAIMED, P.WRITING)] == [None, None, None]
     with pytest.raises(FailedPrecondition, match="WRITING to CANCELLED"):
         flow.advance(P.CANCELLED)
     assert flow.advance(P.WRITTEN) == EndAction()
     with pytest.raises(FailedPrecondition):
-        flow.advance(P.FAILED)                    # final
+        flow.advance(P.FAILED)  # final
     assert flow.state is P.WRITTEN
 
 
-@pytest.mark.parametrize("outcome,state,error", [
-    (Moved(S.RESERVED), P.CLAIMED, None),
-    (AlreadyFinal(S.EXPIRED), P.REJECTED, Aborted),
-    (AlreadyFinal(S.CANCELLED), P.REJECTED, Aborted),
-    (Elsewhere(S.READY), P.REJECTED, Aborted),
-    (Missing(), P.REJECTED, Aborted),
-    (Unknown("down"), P.CANCELLED, Unavailable)])
+@pytest.mark.parametrize(
+    "outcome,state,error",
+    [
+        (Moved(S.RESERVED), P.CLAIMED, None),
+        (AlreadyFinal(S.EXPIRED), P.REJECTED, Aborted),
+        (AlreadyFinal(S.CANCELLED), P.REJECTED, Aborted),
+        (Elsewhere(S.READY), P.REJECTED, Aborted),
+        (Missing(), P.REJECTED, Aborted),
+        (Unknown("down"), P.CANCELLED, Unavailable),
+    ],
+)
 def test_claim_verdicts(outcome, state, error) -> None:
     assert after_claim(outcome) is state
     if error is not None:
         raised = claim_error("r", outcome)
         assert type(raised) is error and "r" in str(raised)
         flow = PushFlow("r", "decode-0", P.CLAIMING)
-        assert flow.advance(state) is not None     # a legal ending from CLAIMING
+        assert flow.advance(state) is not None  # a legal ending from CLAIMING
 
 
 def test_rejected_claim_names_the_state_it_found() -> None:
@@ -97,8 +118,14 @@ def test_target_checks() -> None:
     assert check_target(target, LAYOUT, 17) == 3
     with pytest.raises(InvalidArgument, match="reserved 3 blocks"):
         check_target(target, LAYOUT, 25)
-    other = PoolLayout(base_address=0, num_layers=3, num_blocks=16, block_size=16, block_bytes=512,
-                       layer_stride_bytes=16 * 512)
+    other = PoolLayout(
+        base_address=0,
+        num_layers=3,
+        num_blocks=16,
+        block_size=16,
+        block_bytes=512,
+        layer_stride_bytes=16 * 512,
+    )
     with pytest.raises(FailedPrecondition, match="does not match this pool"):
         check_target(PushTarget("decode-0", other, (1, 2)), LAYOUT, 17)
 
@@ -117,8 +144,11 @@ def test_prefill_samples_one_token_and_keeps_min_tokens_for_it() -> None:
 
 
 def test_core_imports_no_transport_or_torch() -> None:
-    code = ("import sys, pdmesh_prefill.core; "
-            "print(sorted(m for m in ('grpc', 'redis', 'nixl', 'torch') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         timeout=60)
+    code = (
+        "import sys, pdmesh_prefill.core; "
+        "print(sorted(m for m in ('grpc', 'redis', 'nixl', 'torch') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
     assert out.stdout.strip() == "[]"

@@ -1,4 +1,5 @@
-"""What decode and prefill ranks share: the engine thread, pb ↔ engine conversions and the serve wiring.
+"""What decode and prefill ranks share: the engine thread, pb ↔ engine conversions and the serve
+wiring.
 
 `SamplingParams(pb) → SamplingParams` (convert) → `EngineLoop` command (engine thread) →
 `StepOutput` → `RequestStream` → `TokenChunk(pb)` (convert). `runtime.run_worker` wires an

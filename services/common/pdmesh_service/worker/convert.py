@@ -5,6 +5,7 @@ default) and raises ValueError (→ INVALID_ARGUMENT) for out-of-range values; `
 merges consecutive step outputs of one request into one `TokenChunk` (the last one decides the
 finish reason). The field and enum tables come from `pdmesh_service.convert` (read off the protos).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -41,8 +42,12 @@ def chunk_from_steps(steps: Sequence[StepOutput]) -> decode_pb2.TokenChunk:
     for step in steps:
         chunk.token_ids.extend(step.new_token_ids)
         if step.new_logprobs:
-            chunk.logprobs.extend(token_logprob_pb(t, lp, top) for t, lp, top in
-                                  zip(step.new_token_ids, step.new_logprobs, step.new_top_logprobs, strict=False))
+            chunk.logprobs.extend(
+                token_logprob_pb(t, lp, top)
+                for t, lp, top in zip(
+                    step.new_token_ids, step.new_logprobs, step.new_top_logprobs, strict=True
+                )
+            )
     last = steps[-1]
     chunk.finish_reason = finish_reason_to_pb(last.finish_reason)
     if isinstance(last.stop_reason, int) and not isinstance(last.stop_reason, bool):
@@ -55,21 +60,40 @@ def chunk_from_steps(steps: Sequence[StepOutput]) -> decode_pb2.TokenChunk:
 def worker_status_pb(instance_id: str, status: EngineStatus) -> common_pb2.WorkerStatus:
     stats = status.stats
     return common_pb2.WorkerStatus(
-        instance_id=instance_id, num_running=status.num_running, num_waiting=status.num_waiting,
-        kv_blocks_used=status.kv_blocks_used, kv_blocks_free=status.kv_blocks_free,
-        kv_blocks_total=status.kv_blocks_total, kv_bytes_sent=stats.kv_bytes_sent,
-        kv_bytes_received=stats.kv_bytes_received, transfer_failures=stats.transfer_failures,
-        lease_expiries=stats.lease_expiries, integrity_error=status.integrity_error,
-        integrity_checked=status.integrity_checked, kv_quarantines=stats.kv_quarantines, rank=status.rank,
-        dp_size=status.dp_size, expert_weight_bytes=status.expert_weight_bytes, requests_total=stats.requests_total)
+        instance_id=instance_id,
+        num_running=status.num_running,
+        num_waiting=status.num_waiting,
+        kv_blocks_used=status.kv_blocks_used,
+        kv_blocks_free=status.kv_blocks_free,
+        kv_blocks_total=status.kv_blocks_total,
+        kv_bytes_sent=stats.kv_bytes_sent,
+        kv_bytes_received=stats.kv_bytes_received,
+        transfer_failures=stats.transfer_failures,
+        lease_expiries=stats.lease_expiries,
+        integrity_error=status.integrity_error,
+        integrity_checked=status.integrity_checked,
+        kv_quarantines=stats.kv_quarantines,
+        rank=status.rank,
+        dp_size=status.dp_size,
+        expert_weight_bytes=status.expert_weight_bytes,
+        requests_total=stats.requests_total,
+    )
 
 
 def heartbeat_stats(status: EngineStatus) -> Load:
-    """The `InstanceInfo.stats` a worker publishes (the gateway routes on num_running + num_waiting)."""
+    """The `InstanceInfo.stats` a worker publishes (the gateway routes on num_running +
+    num_waiting)."""
     stats = status.stats
-    return Load(num_running=status.num_running, num_waiting=status.num_waiting,
-                num_kv_blocks_used=status.kv_blocks_used, num_kv_blocks_free=status.kv_blocks_free,
-                num_kv_bytes_sent=stats.kv_bytes_sent, num_kv_bytes_received=stats.kv_bytes_received,
-                num_transfer_failures=stats.transfer_failures, num_lease_expiries=stats.lease_expiries,
-                num_kv_quarantines=stats.kv_quarantines, num_requests=stats.requests_total,
-                num_expert_weight_bytes=status.expert_weight_bytes)
+    return Load(
+        num_running=status.num_running,
+        num_waiting=status.num_waiting,
+        num_kv_blocks_used=status.kv_blocks_used,
+        num_kv_blocks_free=status.kv_blocks_free,
+        num_kv_bytes_sent=stats.kv_bytes_sent,
+        num_kv_bytes_received=stats.kv_bytes_received,
+        num_transfer_failures=stats.transfer_failures,
+        num_lease_expiries=stats.lease_expiries,
+        num_kv_quarantines=stats.kv_quarantines,
+        num_requests=stats.requests_total,
+        num_expert_weight_bytes=status.expert_weight_bytes,
+    )

@@ -1,18 +1,20 @@
-"""DEP instances of the worker services: `pdmesh serve prefill|decode --dep N` runs N rank processes.
+"""DEP instances of the worker services: `pdmesh serve prefill|decode --dep N` runs N rank
+processes.
 
-The process started with `--dep N` (N > 1, no `--dep-rank`) supervises the instance: it checks that the
-routed experts split evenly over the ranks (before anything starts), resolves the ports, then starts one
-child per rank, `pdmesh serve ROLE <the same options> --port BASE --dist-port P --dep-rank r`, and waits.
-Rank r (`rank_common`):
+The process started with `--dep N` (N > 1, no `--dep-rank`) supervises the instance: it checks that
+the routed experts split evenly over the ranks (before anything starts), resolves the ports, then
+starts one child per rank, `pdmesh serve ROLE <the same options> --port BASE --dist-port P
+--dep-rank r`, and waits. Rank r (`rank_common`):
   - serves gRPC on BASE + r (Prometheus on --metrics-port + r when given) and registers as its own
-    routable instance `<id>-r<r>` (id: --instance-id, else ROLE-BASE) with rank=r, dp_size=N, and its
-    own NIXL agent of that name;
+    routable instance `<id>-r<r>` (id: --instance-id, else ROLE-BASE) with rank=r, dp_size=N, and
+    its own NIXL agent of that name;
   - joins the instance's gloo group at tcp://HOST:P (HOST: the bind host; loopback for a wildcard).
-Contracts: SIGTERM/SIGINT to the supervisor stops every rank (their engine loops leave the lockstep at
-the same step) and it exits 0; a rank that exits on its own stops the instance (the other ranks would
-block in collectives): the supervisor stops the rest and exits 1. Ranks get SIGKILL when the supervisor
-dies (PR_SET_PDEATHSIG), so no rank outlives it.
+Contracts: SIGTERM/SIGINT to the supervisor stops every rank (their engine loops leave the lockstep
+at the same step) and it exits 0; a rank that exits on its own stops the instance (the other ranks
+would block in collectives): the supervisor stops the rest and exits 1. Ranks get SIGKILL when the
+supervisor dies (PR_SET_PDEATHSIG), so no rank outlives it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +34,7 @@ from pdmesh_service.process import die_with_parent
 from pdmesh_service.redis_server import free_port, free_port_block
 
 log = get_logger(__name__)
-STOP_GRACE_S = 8.0          # below the launcher's 10 s, so the supervisor kills what is left itself
+STOP_GRACE_S = 8.0  # below the launcher's 10 s, so the supervisor kills what is left itself
 WATCH_INTERVAL_S = 0.5
 WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 
@@ -42,12 +44,14 @@ class DEPOptions:
     """How a worker process takes part in a DEP instance (size 1: a plain single-rank worker)."""
 
     size: int = 1
-    rank: int | None = None              # None: supervise `size` ranks (size > 1) or run the only one
-    dist_port: int = 0                   # the group's rendezvous port; 0: the supervisor picks one
-    dp_sync: str = "recursive_doubling"  # the per-step all-reduce (pdmesh_engine.parallel.allreduce)
-    num_redundant_experts: int = 0       # extra physical expert slots per MoE layer
-    eplb_report_s: float = 1.0           # a rank's EPLB agent reports loads this often; 0: no EPLB on the ranks
-    dist_host: str = ""                  # rank 0's address when ranks run on different hosts (one rank per pod)
+    rank: int | None = None  # None: supervise `size` ranks (size > 1) or run the only one
+    dist_port: int = 0  # the group's rendezvous port; 0: the supervisor picks one
+    # the per-step all-reduce (pdmesh_engine.parallel.allreduce)
+    dp_sync: str = "recursive_doubling"
+    num_redundant_experts: int = 0  # extra physical expert slots per MoE layer
+    # a rank's EPLB agent reports loads this often; 0: no EPLB on the ranks
+    eplb_report_s: float = 1.0
+    dist_host: str = ""  # rank 0's address when ranks run on different hosts (one rank per pod)
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -55,14 +59,20 @@ class DEPOptions:
         if self.rank is not None and not 0 <= self.rank < self.size:
             raise ValueError(f"--dep-rank must be in [0, {self.size}), got {self.rank}")
         if self.rank is not None and self.size > 1 and not self.dist_port:
-            raise ValueError("--dep-rank needs --dist-port (the port every rank of the instance meets on)")
+            raise ValueError(
+                "--dep-rank needs --dist-port (the port every rank of the instance meets on)"
+            )
         if not 0 <= self.dist_port < 65536:
             raise ValueError(f"--dist-port must be in [0, 65535], got {self.dist_port}")
-        check_dep_choices(self.dp_sync, self.num_redundant_experts, "--dp-sync", "--num-redundant-experts")
+        check_dep_choices(
+            self.dp_sync, self.num_redundant_experts, "--dp-sync", "--num-redundant-experts"
+        )
         if self.num_redundant_experts and self.size == 1:
             raise ValueError("--num-redundant-experts needs --dep > 1")
         if self.dist_host and self.rank is None:
-            raise ValueError("--dist-host is for rank processes started one per host: it needs --dep-rank")
+            raise ValueError(
+                "--dist-host is for rank processes started one per host: it needs --dep-rank"
+            )
         if not self.eplb_report_s >= 0:
             raise ValueError(f"--eplb-report-s must be >= 0 (0: off), got {self.eplb_report_s}")
 
@@ -77,49 +87,87 @@ class DEPOptions:
 
 def add_dep_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("DEP (data-parallel attention + expert parallelism)")
-    g.add_argument("--dep", type=int, default=1,
-                   help="ranks of this instance: N processes, each its own routable endpoint (ports PORT..PORT+N-1)"
-                        " holding 1/N of the routed experts")
-    g.add_argument("--num-redundant-experts", type=int, default=0,
-                   help="extra expert slots per MoE layer; experts + redundant must be a multiple of --dep")
-    g.add_argument("--dp-sync", default="recursive_doubling", choices=sorted(DP_SYNC_IMPLS),
-                   help="the per-step all-reduce that keeps the ranks in lockstep")
-    g.add_argument("--dist-port", type=int, default=0, help="the ranks' rendezvous port (default: a free one)")
-    g.add_argument("--dep-rank", type=int, default=None, help="run only this rank (set by the supervisor)")
-    g.add_argument("--eplb-report-s", type=float, default=1.0,
-                   help="each rank reports its expert loads to the EPLB controller (and picks up new placements)"
-                        " this often; 0: EPLB off on this instance")
-    g.add_argument("--dist-host", default="",
-                   help="rank 0's address, for ranks started one per host with --dep-rank (e.g. Kubernetes pods);"
-                        " each rank then keeps --port and --metrics-port as given")
+    g.add_argument(
+        "--dep",
+        type=int,
+        default=1,
+        help="ranks of this instance: N processes, each its own routable endpoint (ports "
+        "PORT..PORT+N-1)"
+        " holding 1/N of the routed experts",
+    )
+    g.add_argument(
+        "--num-redundant-experts",
+        type=int,
+        default=0,
+        help="extra expert slots per MoE layer; experts + redundant must be a multiple of --dep",
+    )
+    g.add_argument(
+        "--dp-sync",
+        default="recursive_doubling",
+        choices=sorted(DP_SYNC_IMPLS),
+        help="the per-step all-reduce that keeps the ranks in lockstep",
+    )
+    g.add_argument(
+        "--dist-port", type=int, default=0, help="the ranks' rendezvous port (default: a free one)"
+    )
+    g.add_argument(
+        "--dep-rank", type=int, default=None, help="run only this rank (set by the supervisor)"
+    )
+    g.add_argument(
+        "--eplb-report-s",
+        type=float,
+        default=1.0,
+        help="each rank reports its expert loads to the EPLB controller (and picks up new "
+        "placements)"
+        " this often; 0: EPLB off on this instance",
+    )
+    g.add_argument(
+        "--dist-host",
+        default="",
+        help="rank 0's address, for ranks started one per host with --dep-rank (e.g. Kubernetes "
+        "pods);"
+        " each rank then keeps --port and --metrics-port as given",
+    )
 
 
 def dep_from_args(args: argparse.Namespace) -> DEPOptions:
-    return DEPOptions(args.dep, args.dep_rank, args.dist_port, args.dp_sync, args.num_redundant_experts,
-                      args.eplb_report_s, args.dist_host)
+    return DEPOptions(
+        args.dep,
+        args.dep_rank,
+        args.dist_port,
+        args.dp_sync,
+        args.num_redundant_experts,
+        args.eplb_report_s,
+        args.dist_host,
+    )
 
 
 def master_addr(host: str, dist_host: str = "") -> str:
-    """Where the ranks meet: --dist-host (rank 0's address, ranks on several hosts), else the bind host,
-    loopback when that is a wildcard (all ranks on this host)."""
+    """Where the ranks meet: --dist-host (rank 0's address, ranks on several hosts), else the bind
+    host, loopback when that is a wildcard (all ranks on this host)."""
     if dist_host:
         return dist_host
     return "127.0.0.1" if host in WILDCARD_HOSTS else host
 
 
 def rank_common(common: CommonConfig, role: str, dep: DEPOptions) -> CommonConfig:
-    """The service options of this process (pure): unchanged unless it is a DEP rank r, which gets port
-    BASE + r, metrics port + r and id `<id>-r<r>` (with --dist-host, one rank per host: only the id). Without --port or --instance-id (a rank started by
-    hand) a rank takes any free port and the id ROLE-PORT."""
-    if not dep.is_rank:
-        return common
+    """The service options of this process (pure): unchanged unless it is a DEP rank r, which gets
+    port BASE + r, metrics port + r and id `<id>-r<r>` (with --dist-host, one rank per host: only
+    the id). Without --port or --instance-id (a rank started by hand) a rank takes any free port and
+    the id ROLE-PORT."""
     rank = dep.rank
+    if not dep.is_rank or rank is None:  # is_rank implies a rank; the check narrows its type
+        return common
     base_id = common.instance_id or (f"{role}-{common.port}" if common.port else "")
     instance_id = f"{base_id}-r{rank}" if base_id else ""
-    if dep.dist_host:                    # one rank per host (a pod): its ports are the ones given
+    if dep.dist_host:  # one rank per host (a pod): its ports are the ones given
         return replace(common, instance_id=instance_id)
-    return replace(common, port=common.port + rank if common.port else 0, instance_id=instance_id,
-                   metrics_port=None if common.metrics_port is None else common.metrics_port + rank)
+    return replace(
+        common,
+        port=common.port + rank if common.port else 0,
+        instance_id=instance_id,
+        metrics_port=None if common.metrics_port is None else common.metrics_port + rank,
+    )
 
 
 def check_expert_split(model_dir: Path, dep: DEPOptions) -> None:
@@ -132,13 +180,28 @@ def check_expert_split(model_dir: Path, dep: DEPOptions) -> None:
         slots_of_rank(config.n_routed_experts, dep.num_redundant_experts, dep.size, 0)
 
 
-def rank_argv(role: str, options: list[str], rank: int, base_port: int, dist_port: int) -> list[str]:
-    """The command line of one rank: the supervisor's options, then what pins this rank (the last wins)."""
-    return [sys.executable, "-m", f"pdmesh_{role}", *options, "--port", str(base_port),
-            "--dist-port", str(dist_port), "--dep-rank", str(rank)]
+def rank_argv(
+    role: str, options: list[str], rank: int, base_port: int, dist_port: int
+) -> list[str]:
+    """The command line of one rank: the supervisor's options, then what pins this rank (the last
+    wins)."""
+    return [
+        sys.executable,
+        "-m",
+        f"pdmesh_{role}",
+        *options,
+        "--port",
+        str(base_port),
+        "--dist-port",
+        str(dist_port),
+        "--dep-rank",
+        str(rank),
+    ]
 
 
-def run_instance(role: str, options: list[str], common: CommonConfig, model_dir: Path, dep: DEPOptions) -> int:
+def run_instance(
+    role: str, options: list[str], common: CommonConfig, model_dir: Path, dep: DEPOptions
+) -> int:
     """Supervise a DEP instance until SIGTERM/SIGINT (exit 0) or until a rank exits (exit 1)."""
     check_expert_split(model_dir, dep)
     configure_logging(role, common.log_level)
@@ -147,14 +210,23 @@ def run_instance(role: str, options: list[str], common: CommonConfig, model_dir:
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
-    ranks: list[subprocess.Popen] = []
+    ranks: list[subprocess.Popen[bytes]] = []
     try:
         for rank in range(dep.size):
-            ranks.append(subprocess.Popen(rank_argv(role, options, rank, base, dist_port),
-                                          stdin=subprocess.DEVNULL,
-                                          preexec_fn=die_with_parent(signal.SIGKILL)))
+            ranks.append(
+                subprocess.Popen(
+                    rank_argv(role, options, rank, base, dist_port),
+                    stdin=subprocess.DEVNULL,
+                    preexec_fn=die_with_parent(signal.SIGKILL),
+                )
+            )
         addresses = [common.address(base + rank) for rank in range(dep.size)]
-        log.info("DEP instance started", ranks=addresses, dist_port=dist_port, pids=[p.pid for p in ranks])
+        log.info(
+            "DEP instance started",
+            ranks=addresses,
+            dist_port=dist_port,
+            pids=[p.pid for p in ranks],
+        )
         failed = _watch(ranks, stopping)
     finally:
         _stop(ranks, STOP_GRACE_S)
@@ -165,7 +237,7 @@ def run_instance(role: str, options: list[str], common: CommonConfig, model_dir:
     return 1
 
 
-def _watch(ranks: list[subprocess.Popen], stopping: threading.Event) -> int | None:
+def _watch(ranks: list[subprocess.Popen[bytes]], stopping: threading.Event) -> int | None:
     """Wait for a stop signal (None) or for a rank to exit (its index)."""
     while not stopping.wait(WATCH_INTERVAL_S):
         for rank, process in enumerate(ranks):
@@ -174,7 +246,7 @@ def _watch(ranks: list[subprocess.Popen], stopping: threading.Event) -> int | No
     return None
 
 
-def _stop(ranks: list[subprocess.Popen], grace_s: float) -> None:
+def _stop(ranks: list[subprocess.Popen[bytes]], grace_s: float) -> None:
     """SIGTERM every live rank (they stop together), SIGKILL what is left after `grace_s`."""
     for process in ranks:
         if process.poll() is None:

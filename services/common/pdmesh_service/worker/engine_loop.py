@@ -1,9 +1,10 @@
-"""`EngineLoop`: the one thread that owns an `EngineCore` (and the rank's NIXL agent), driven from asyncio.
+"""`EngineLoop`: the one thread that owns an `EngineCore` (and the rank's NIXL agent), driven from
+asyncio.
 
 The engine is not thread-safe: only this thread touches it. asyncio code submits commands through
-a thread-safe queue and awaits their futures; the thread answers by one verb, `post(fn, *args)`, which
-runs `fn` on the event loop (`stream.settle` resolves a future, `stream.feed` appends outputs to their
-`RequestStream`s).
+a thread-safe queue and awaits their futures; the thread answers by one verb, `post(fn, *args)`,
+which runs `fn` on the event loop (`stream.settle` resolves a future, `stream.feed` appends outputs
+to their `RequestStream`s).
 
 Loop body: drain commands → role poll (NIXL notifications and transfers, lease expiry) → `step()`
 if the engine has work → deliver outputs. With no work it blocks on the command queue:
@@ -11,17 +12,19 @@ if the engine has work → deliver outputs. With no work it blocks on the comman
 
 DEP rank (`engine.lockstep` set): every iteration calls `step()`, a collective every rank of the
 instance runs in the same sequence (commands only change local state). After a step that ran no
-forward on any rank, the next sync waits `IDLE_SYNC_MIN_S`, doubling up to `IDLE_SYNC_MAX_S`, or less
-once this rank has work; commands run and the role is polled (every `BUSY_WAIT_S` while busy) in between.
-`stop()` asks every rank to stop after the next step; a step that fails (a rank died, a collective timed
-out) or another rank's stop ends the loop too, and `ended` tells why.
+forward on any rank, the next sync waits `IDLE_SYNC_MIN_S`, doubling up to `IDLE_SYNC_MAX_S`, or
+less once this rank has work; commands run and the role is polled (every `BUSY_WAIT_S` while busy)
+in between. `stop()` asks every rank to stop after the next step; a step that fails (a rank died, a
+collective timed out) or another rank's stop ends the loop too, and `ended` tells why.
 
-The role (`EngineRole`, given to `start`) adds what differs between ranks and runs in this thread too:
-decode's `DecodeConnector` (reservations, leases, admission on the KV notification), prefill's `KVPusher`
-(one NIXL WRITE per finished prompt). Blocks a WRITE reads are never released before it ends, and blocks
-a WRITE may still land in stay out of the pool (decode's quarantine) until it did or a cap passed.
-Counting goes through the rank's `WorkerMetrics` (constructor argument); `status()` returns its totals.
+The role (`EngineRole`, given to `start`) adds what differs between ranks and runs in this thread
+too: decode's `DecodeConnector` (reservations, leases, admission on the KV notification), prefill's
+`KVPusher` (one NIXL WRITE per finished prompt). Blocks a WRITE reads are never released before it
+ends, and blocks a WRITE may still land in stay out of the pool (decode's quarantine) until it did
+or a cap passed. Counting goes through the rank's `WorkerMetrics` (constructor argument); `status()`
+returns its totals.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -41,12 +44,13 @@ from pdmesh_service.worker.metrics import WorkerLoad, WorkerMetrics, WorkerStats
 from pdmesh_service.worker.stream import RequestStream, StreamItem, feed, settle
 
 if TYPE_CHECKING:
+    from pdmesh_engine.parallel.dep import LockstepStepper
     from pdmesh_engine.transfer.agent import KVTransferAgent
 
 log = get_logger(__name__)
 IDLE_WAIT_S = 0.1
 BUSY_WAIT_S = 0.001
-IDLE_SYNC_MIN_S, IDLE_SYNC_MAX_S = 0.001, 0.02     # DEP: pause before a sync that follows an idle one
+IDLE_SYNC_MIN_S, IDLE_SYNC_MAX_S = 0.001, 0.02  # DEP: pause before a sync that follows an idle one
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,9 @@ class EngineStatus:
 
     @property
     def load(self) -> WorkerLoad:
-        return WorkerLoad(self.num_running, self.num_waiting, self.kv_blocks_used, self.kv_blocks_free)
+        return WorkerLoad(
+            self.num_running, self.num_waiting, self.kv_blocks_used, self.kv_blocks_free
+        )
 
 
 @dataclass(slots=True)
@@ -73,7 +79,7 @@ class _Command:
     fn: Callable[..., Any]
     args: tuple[Any, ...]
     future: asyncio.Future[Any] | None
-    deferred: bool = False      # fn(future, *args) resolves the future itself, maybe later
+    deferred: bool = False  # fn(future, *args) resolves the future itself, maybe later
 
 
 _STOP = object()
@@ -95,7 +101,8 @@ class EngineRole(Protocol):
         ...
 
     def abort(self, request_id: str) -> tuple[bool, bool]:
-        """Forget the request: (found, the role frees its blocks itself: NIXL may still read or write them)."""
+        """Forget the request: (found, the role frees its blocks itself: NIXL may still read or
+        write them)."""
         ...
 
     def fail_all(self, error: BaseException) -> set[str]:
@@ -104,24 +111,33 @@ class EngineRole(Protocol):
 
 
 class EngineLoop:
-    """The engine thread. Built by `run_worker` with the rank's metrics; its role comes with `start(role)`."""
+    """The engine thread. Built by `run_worker` with the rank's metrics; its role comes with
+    `start(role)`."""
 
-    def __init__(self, engine: EngineCore, agent: KVTransferAgent | None = None, instance_id: str = "",
-                 rank: int = 0, dp_size: int = 1, metrics: WorkerMetrics | None = None) -> None:
+    def __init__(
+        self,
+        engine: EngineCore,
+        agent: KVTransferAgent | None = None,
+        instance_id: str = "",
+        rank: int = 0,
+        dp_size: int = 1,
+        metrics: WorkerMetrics | None = None,
+    ) -> None:
         self.engine, self.agent, self.instance_id = engine, agent, instance_id
         self.rank, self.dp_size = rank, dp_size
         self.metrics = metrics if metrics is not None else WorkerMetrics(instance_id)
-        self.role: EngineRole | None = None     # given to `start`
-        self.streams: dict[str, RequestStream] = {}          # engine thread only
+        self.role: EngineRole | None = None  # given to `start`
+        self.streams: dict[str, RequestStream] = {}  # engine thread only
         self._commands: queue.SimpleQueue[_Command | object] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self.ended: asyncio.Future[str] | None = None      # set when the thread ends: why
+        self.ended: asyncio.Future[str] | None = None  # set when the thread ends: why
         self._end_reason = "stopped"
 
     @property
     def vocab_size(self) -> int:
-        vocab_size: int = self.engine.model_config.vocab_size      # immutable: safe to read from any thread
+        # immutable: safe to read from any thread
+        vocab_size: int = self.engine.model_config.vocab_size
         return vocab_size
 
     @property
@@ -131,11 +147,14 @@ class EngineLoop:
 
     # ----- asyncio side -----
     def start(self, role: EngineRole | None = None) -> None:
-        """Start the thread on the running event loop; `role` (if any) runs in it from the first iteration."""
+        """Start the thread on the running event loop; `role` (if any) runs in it from the first
+        iteration."""
         self.role = role
         self._loop = asyncio.get_running_loop()
         self.ended = self._loop.create_future()
-        self._thread = threading.Thread(target=self._run, name=f"engine-{self.instance_id}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"engine-{self.instance_id}", daemon=True
+        )
         self._thread.start()
 
     async def stop(self) -> None:
@@ -145,22 +164,28 @@ class EngineLoop:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
 
-    def submit(self, fn: Callable[..., Any], *args: Any, deferred: bool = False) -> asyncio.Future[Any]:
+    def submit(
+        self, fn: Callable[..., Any], *args: Any, deferred: bool = False
+    ) -> asyncio.Future[Any]:
         """Run `fn(*args)` in the engine thread; the future gets its result or error. A `deferred`
         command is called as `fn(future, *args)` and resolves the future itself (maybe later)."""
-        if self._loop is None or self._thread is None or not self._thread.is_alive():   # a DEP loop can end alone
+        # a DEP loop can end alone
+        if self._loop is None or self._thread is None or not self._thread.is_alive():
             raise Unavailable("the engine loop is not running")
         future = self._loop.create_future()
         self._commands.put(_Command(fn, args, future, deferred))
         return future
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> RequestStream:
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> RequestStream:
         stream = RequestStream(request_id, len(prompt_ids))
         await self.submit(self._generate, list(prompt_ids), params, request_id, stream)
         return stream
 
     async def connect(self, peer_name: str, metadata: bytes) -> None:
-        """Load a peer agent's metadata (the agent, like the engine, is used from this thread only)."""
+        """Load a peer agent's metadata (the agent, like the engine, is used from this thread
+        only)."""
         if self.agent is None:
             raise Unavailable("this engine loop has no NIXL agent")
         await self.submit(self.agent.connect, peer_name, metadata)
@@ -170,7 +195,8 @@ class EngineLoop:
         return found
 
     def abort_soon(self, request_id: str) -> None:
-        """Abort without waiting (from callbacks and `finally` blocks); a no-op if unknown or stopped."""
+        """Abort without waiting (from callbacks and `finally` blocks); a no-op if unknown or
+        stopped."""
         if self._thread is not None:
             self._commands.put(_Command(self._abort, (request_id,), None))
 
@@ -180,13 +206,14 @@ class EngineLoop:
 
     # ----- engine thread: the one way back to the event loop -----
     def post(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run `fn(*args)` on the event loop (e.g. `stream.settle(future, value)`, `stream.feed(items)`, or a
-        role's own coroutine starter); dropped once the event loop closed (nobody is waiting any more)."""
+        """Run `fn(*args)` on the event loop (e.g. `stream.settle(future, value)`,
+        `stream.feed(items)`, or a role's own coroutine starter); dropped once the event loop closed
+        (nobody is waiting any more)."""
         if self._loop is None:
             return
         try:
             self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:      # the event loop is closed
+        except RuntimeError:  # the event loop is closed
             pass
 
     def attach(self, stream: RequestStream) -> None:
@@ -196,8 +223,9 @@ class EngineLoop:
     # ----- engine thread: the loop -----
     def _run(self) -> None:
         try:
-            if self.engine.lockstep is not None:
-                self._run_lockstep()
+            lockstep = self.engine.lockstep
+            if lockstep is not None:
+                self._run_lockstep(lockstep)
             else:
                 self._run_single()
         except BaseException as e:  # noqa: BLE001 - the thread must not die silently
@@ -216,23 +244,32 @@ class EngineLoop:
             if self.engine.has_unfinished:
                 self._step()
 
-    def _run_lockstep(self) -> None:
+    def _run_lockstep(self, lockstep: LockstepStepper) -> None:
         """DEP: one collective step per iteration until a rank stops (see the module docstring)."""
-        lockstep, idle_s, stopping = self.engine.lockstep, 0.0, False
+        idle_s, stopping = 0.0, False
         while True:
             if not stopping and not self._pause(idle_s):
                 stopping = True
                 lockstep.request_stop()
-            self._deliver_outputs(self.engine.step())      # raises when the group broke: the loop ends
+            self._deliver_outputs(self.engine.step())  # raises when the group broke: the loop ends
             record = lockstep.last
+            if record is None:  # every lockstep step records itself
+                raise RuntimeError("a lockstep step left no record")
             if record.stop:
-                self._end_reason = "stopped" if stopping else "another rank of this DEP instance stopped"
+                self._end_reason = (
+                    "stopped" if stopping else "another rank of this DEP instance stopped"
+                )
                 return
-            idle_s = 0.0 if record.ran_forward else min(max(2 * idle_s, IDLE_SYNC_MIN_S), IDLE_SYNC_MAX_S)
+            idle_s = (
+                0.0
+                if record.ran_forward
+                else min(max(2 * idle_s, IDLE_SYNC_MIN_S), IDLE_SYNC_MAX_S)
+            )
 
     def _pause(self, wait_s: float) -> bool:
-        """DEP, between syncs: run commands and poll the role for up to `wait_s` (NIXL every `BUSY_WAIT_S`
-        while the role is busy), less once this rank has work. False once asked to stop."""
+        """DEP, between syncs: run commands and poll the role for up to `wait_s` (NIXL every
+        `BUSY_WAIT_S` while the role is busy), less once this rank has work. False once asked to
+        stop."""
         deadline = time.monotonic() + wait_s
         while True:
             left = deadline - time.monotonic()
@@ -252,10 +289,12 @@ class EngineLoop:
     def _drain(self, timeout: float) -> bool:
         """Run queued commands (waiting up to `timeout` for the first); False once asked to stop."""
         try:
-            command = self._commands.get(timeout=timeout) if timeout > 0 else self._commands.get_nowait()
+            command = (
+                self._commands.get(timeout=timeout) if timeout > 0 else self._commands.get_nowait()
+            )
         except queue.Empty:
             return True
-        while isinstance(command, _Command):      # anything else is _STOP
+        while isinstance(command, _Command):  # anything else is _STOP
             self._execute(command)
             try:
                 command = self._commands.get_nowait()
@@ -309,15 +348,16 @@ class EngineLoop:
             self.post(feed, items)
 
     # ----- engine thread: commands -----
-    def _generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                  stream: RequestStream) -> None:
+    def _generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, stream: RequestStream
+    ) -> None:
         self.engine.add_request(prompt_ids, params, request_id)
         self.attach(stream)
         self.metrics.request_taken()
 
     def _abort(self, request_id: str) -> bool:
         found, busy = self.role.abort(request_id) if self.role is not None else (False, False)
-        if busy:                  # NIXL may still use the blocks: the role frees them when that is over
+        if busy:  # NIXL may still use the blocks: the role frees them when that is over
             return True
         found = self.engine.abort(request_id) or found
         stream = self.streams.pop(request_id, None)
@@ -334,12 +374,23 @@ class EngineLoop:
                 error = str(e) or "the KV pool's integrity check failed"
         core = self.engine.status()
         kv = core.kv
-        return EngineStatus(core.num_running, core.num_waiting, kv.num_used, kv.num_free + kv.num_cached,
-                            kv.num_blocks, self.metrics.snapshot(), check_integrity, error, self.rank, self.dp_size,
-                            core.expert_weight_bytes)
+        return EngineStatus(
+            core.num_running,
+            core.num_waiting,
+            kv.num_used,
+            kv.num_free + kv.num_cached,
+            kv.num_blocks,
+            self.metrics.snapshot(),
+            check_integrity,
+            error,
+            self.rank,
+            self.dp_size,
+            core.expert_weight_bytes,
+        )
 
     def _fail_all(self, error: BaseException) -> None:
-        """End every request with `error`; blocks NIXL still reads or writes stay until the role frees them."""
+        """End every request with `error`; blocks NIXL still reads or writes stay until the role
+        frees them."""
         if self.streams:
             self.post(feed, [(stream, error) for stream in self.streams.values()])
         self.streams.clear()

@@ -1,20 +1,24 @@
-"""A DEP rank's side of EPLB: report expert loads to Redis, stage the placements the controller publishes.
+"""A DEP rank's side of EPLB: report expert loads to Redis, stage the placements the controller
+publishes.
 
 Every `report_s` seconds (one asyncio task per rank, started by `run_worker`):
 
-    engine thread (EngineLoop.submit):  snapshot = versions, step counters, [L][P] load window (one host sync)
+    engine thread (EngineLoop.submit):  snapshot = versions, step counters, [L][P] load window
+                                        (one host sync)
     Redis:   publish_load(LoadReport(instance=<base id>, model="target", rank, dp_size, ...))
     Redis:   read_placement(instance, "target")  -> version V
     V > running and V > staged, shape fits:  engine thread: EngineCore.stage_placement(V, rows)
-                                              (returns at once; the engine switches at a step boundary once
-                                              every rank staged V, see pdmesh_engine.parallel.dep)
+                                              (returns at once; the engine switches at a step
+                                              boundary once every rank staged V, see
+                                              pdmesh_engine.parallel.dep)
 
-`instance` is the DEP instance's id without the `-r<rank>` suffix, so all its ranks report under one key.
-Redis errors are logged and retried at the next tick: decode goes on while Redis or the controller is down.
-Only the decoder's MoE layers ("target") are reported and staged; the MTP layers keep their placement.
-The placement versions are reported through the LoadReport only (the heartbeat's `Load` has no field for
-them).
+`instance` is the DEP instance's id without the `-r<rank>` suffix, so all its ranks report under one
+key. Redis errors are logged and retried at the next tick: decode goes on while Redis or the
+controller is down. Only the decoder's MoE layers ("target") are reported and staged; the MTP layers
+keep their placement. The placement versions are reported through the LoadReport only (the
+heartbeat's `Load` has no field for them).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -44,14 +48,16 @@ class EPLBAgentConfig:
     """Who this rank is in the EPLB contract (pdmesh_service.eplb_protocol)."""
 
     deployment: str
-    instance: str                 # the DEP instance's base id (no -r<rank> suffix)
+    instance: str  # the DEP instance's base id (no -r<rank> suffix)
     rank: int
     dp_size: int
     report_s: float = DEFAULT_REPORT_S
 
     def __post_init__(self) -> None:
         if not self.report_s > 0:
-            raise ValueError(f"--eplb-report-s must be positive to run the agent, got {self.report_s}")
+            raise ValueError(
+                f"--eplb-report-s must be positive to run the agent, got {self.report_s}"
+            )
         if not 0 <= self.rank < self.dp_size:
             raise ValueError(f"rank {self.rank} outside [0, {self.dp_size})")
 
@@ -65,7 +71,7 @@ class RankSnapshot:
     window_steps: int
     running_version: int
     staged_version: int
-    slot_counts: list[list[int]]     # [L][P]
+    slot_counts: list[list[int]]  # [L][P]
     num_logical: int
     expert_bytes: int
 
@@ -75,29 +81,51 @@ class TickResult:
     """One tick's outcome (returned for tests and callers; nothing here is logged)."""
 
     reported: bool
-    placement_version: int           # the controller's current version (0: none published)
-    staged: bool                     # stage_placement accepted that version this tick
+    placement_version: int  # the controller's current version (0: none published)
+    staged: bool  # stage_placement accepted that version this tick
 
 
 def base_instance(instance_id: str, rank: int, dp_size: int) -> str:
-    """The DEP instance's id: `instance_id` without its `-r<rank>` suffix (unchanged for a single rank)."""
+    """The DEP instance's id: `instance_id` without its `-r<rank>` suffix (unchanged for a single
+    rank)."""
     suffix = f"-r{rank}"
-    return instance_id[:-len(suffix)] if dp_size > 1 and instance_id.endswith(suffix) else instance_id
+    return (
+        instance_id[: -len(suffix)] if dp_size > 1 and instance_id.endswith(suffix) else instance_id
+    )
 
 
 def snapshot(engine: EngineCore) -> RankSnapshot:
     """Engine thread: versions, step counters and the load window (one host sync for all layers)."""
     window_steps, _, counts = engine.expert_load_window()
     step, switch_step = engine.expert_load_steps()
-    return RankSnapshot(step, switch_step, window_steps, engine.placement_version, engine.staged_version, counts,
-                        engine.model_config.n_routed_experts, engine.bytes_per_expert)
+    return RankSnapshot(
+        step,
+        switch_step,
+        window_steps,
+        engine.placement_version,
+        engine.staged_version,
+        counts,
+        engine.model_config.n_routed_experts,
+        engine.bytes_per_expert,
+    )
 
 
 def load_report(config: EPLBAgentConfig, shot: RankSnapshot) -> LoadReport:
-    return LoadReport(config.instance, TARGET, config.rank, config.dp_size, shot.step, shot.window_steps,
-                      shot.running_version, shot.staged_version, shot.slot_counts, shot.num_logical,
-                      switch_step=shot.switch_step, expert_bytes=shot.expert_bytes,
-                      created_ms=int(time.time() * 1000))
+    return LoadReport(
+        config.instance,
+        TARGET,
+        config.rank,
+        config.dp_size,
+        shot.step,
+        shot.window_steps,
+        shot.running_version,
+        shot.staged_version,
+        shot.slot_counts,
+        shot.num_logical,
+        switch_step=shot.switch_step,
+        expert_bytes=shot.expert_bytes,
+        created_ms=int(time.time() * 1000),
+    )
 
 
 def wanted(placement: Placement | None, shot: RankSnapshot, dp_size: int) -> bool:
@@ -105,34 +133,47 @@ def wanted(placement: Placement | None, shot: RankSnapshot, dp_size: int) -> boo
     if placement is None or placement.version <= max(shot.running_version, shot.staged_version):
         return False
     num_slots = len(shot.slot_counts[0]) if shot.slot_counts else 0
-    return (placement.num_ranks == dp_size and placement.num_layers == len(shot.slot_counts)
-            and placement.num_slots == num_slots)
+    return (
+        placement.num_ranks == dp_size
+        and placement.num_layers == len(shot.slot_counts)
+        and placement.num_slots == num_slots
+    )
 
 
 async def tick(loop: EngineLoop, redis: aioredis.Redis, config: EPLBAgentConfig) -> TickResult:
-    """Report once, then stage the controller's placement if it is newer. Raises RedisError / Unavailable."""
+    """Report once, then stage the controller's placement if it is newer. Raises RedisError /
+    Unavailable."""
     engine = loop.engine
     shot: RankSnapshot = await loop.submit(snapshot, engine)
-    if not shot.slot_counts:                      # no MoE layer: nothing to balance
+    if not shot.slot_counts:  # no MoE layer: nothing to balance
         return TickResult(False, 0, False)
     await publish_load(redis, config.deployment, load_report(config, shot))
     placement = await read_placement(redis, config.deployment, config.instance, TARGET)
     if placement is None or not wanted(placement, shot, config.dp_size):
         return TickResult(True, placement.version if placement is not None else 0, False)
-    staged: bool = await loop.submit(engine.stage_placement, placement.version, placement.physical_to_logical)
+    staged: bool = await loop.submit(
+        engine.stage_placement, placement.version, placement.physical_to_logical
+    )
     return TickResult(True, placement.version, staged)
 
 
 async def run_eplb_agent(loop: EngineLoop, redis: aioredis.Redis, config: EPLBAgentConfig) -> None:
-    """Tick every `config.report_s` until cancelled or the engine loop ended; errors wait for the next tick."""
+    """Tick every `config.report_s` until cancelled or the engine loop ended; errors wait for the
+    next tick."""
     while True:
         try:
             await tick(loop, redis, config)
         except Unavailable:
-            return                                # the engine loop ended: so does the rank
+            return  # the engine loop ended: so does the rank
         except (RedisError, OSError) as e:
-            log.warning("eplb: redis unavailable, retrying", instance=config.instance, rank=config.rank,
-                        error=f"{type(e).__name__}: {e}")
-        except ValueError as e:                   # a malformed placement or report: skip it, keep serving
-            log.warning("eplb: placement rejected", instance=config.instance, rank=config.rank, error=str(e))
+            log.warning(
+                "eplb: redis unavailable, retrying",
+                instance=config.instance,
+                rank=config.rank,
+                error=f"{type(e).__name__}: {e}",
+            )
+        except ValueError as e:  # a malformed placement or report: skip it, keep serving
+            log.warning(
+                "eplb: placement rejected", instance=config.instance, rank=config.rank, error=str(e)
+            )
         await asyncio.sleep(config.report_s)

@@ -1,22 +1,26 @@
-"""A worker rank's counters: the totals its Status returns and its Prometheus series, moved together.
+"""A worker rank's counters: the totals its Status returns and its Prometheus series, moved
+together.
 
-`WorkerMetrics(instance_id)` is built once per rank by `run_worker` and handed to whoever counts (the
-engine loop, decode's connector, prefill's pusher); each event is one method call that bumps both the
-`WorkerStats` total and the series labelled `instance=<instance_id>`. Series (dashboards and tests read
-these names):
+`WorkerMetrics(instance_id)` is built once per rank by `run_worker` and handed to whoever counts
+(the engine loop, decode's connector, prefill's pusher); each event is one method call that bumps
+both the `WorkerStats` total and the series labelled `instance=<instance_id>`. Series (dashboards
+and tests read these names):
 
     pdmesh_kv_transfer_bytes_total     KV bytes written to other agents over NIXL
     pdmesh_kv_transfer_seconds         duration of one NIXL KV WRITE (histogram)
     pdmesh_kv_transfer_failures_total  NIXL KV transfers that failed
     pdmesh_kv_received_bytes_total     KV bytes other agents wrote into this pool
     pdmesh_lease_expiries_total        reservations whose lease ran out before the KV
-    pdmesh_kv_quarantines_total        ended reservations whose blocks stayed out while a WRITE could land
+    pdmesh_kv_quarantines_total        ended reservations whose blocks stayed out while a WRITE
+                                       could land
     pdmesh_kv_blocks_used / _free      gauges, from the last `observe_load`
     pdmesh_requests_running / _waiting gauges, likewise
 
-Prometheus families are per registry: `WorkerCollectors(registry)` makes them; `default_collectors()` is the
-one set on the process-wide default registry (several ranks in one process share it, each with its label).
+Prometheus families are per registry: `WorkerCollectors(registry)` makes them;
+`default_collectors()` is the one set on the process-wide default registry (several ranks in one
+process share it, each with its label).
 """
+
 from __future__ import annotations
 
 import functools
@@ -37,7 +41,7 @@ class WorkerStats:
     transfer_failures: int = 0
     lease_expiries: int = 0
     kv_quarantines: int = 0
-    requests_total: int = 0         # requests this rank took (Generate, Reserve, Prefill)
+    requests_total: int = 0  # requests this rank took (Generate, Reserve, Prefill)
 
 
 @dataclass(frozen=True)
@@ -60,20 +64,35 @@ class WorkerCollectors:
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, _INSTANCE_LABEL, registry=registry)
 
-        self.kv_transfer_bytes = counter("pdmesh_kv_transfer_bytes_total", "KV bytes written to other agents over NIXL")
-        self.kv_transfer_seconds = Histogram("pdmesh_kv_transfer_seconds", "Duration of one NIXL KV WRITE",
-                                             _INSTANCE_LABEL, buckets=TRANSFER_SECONDS_BUCKETS, registry=registry)
-        self.kv_transfer_failures = counter("pdmesh_kv_transfer_failures_total", "NIXL KV transfers that failed")
-        self.kv_received_bytes = counter("pdmesh_kv_received_bytes_total",
-                                         "KV bytes other agents wrote into this pool")
-        self.lease_expiries = counter("pdmesh_lease_expiries_total",
-                                      "Reservations whose lease ran out before the KV")
-        self.kv_quarantines = counter("pdmesh_kv_quarantines_total", "Ended reservations whose blocks stayed out "
-                                      "of the pool while a KV write could land")
+        self.kv_transfer_bytes = counter(
+            "pdmesh_kv_transfer_bytes_total", "KV bytes written to other agents over NIXL"
+        )
+        self.kv_transfer_seconds = Histogram(
+            "pdmesh_kv_transfer_seconds",
+            "Duration of one NIXL KV WRITE",
+            _INSTANCE_LABEL,
+            buckets=TRANSFER_SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.kv_transfer_failures = counter(
+            "pdmesh_kv_transfer_failures_total", "NIXL KV transfers that failed"
+        )
+        self.kv_received_bytes = counter(
+            "pdmesh_kv_received_bytes_total", "KV bytes other agents wrote into this pool"
+        )
+        self.lease_expiries = counter(
+            "pdmesh_lease_expiries_total", "Reservations whose lease ran out before the KV"
+        )
+        self.kv_quarantines = counter(
+            "pdmesh_kv_quarantines_total",
+            "Ended reservations whose blocks stayed out of the pool while a KV write could land",
+        )
         self.kv_blocks_used = gauge("pdmesh_kv_blocks_used", "KV blocks held by requests")
         self.kv_blocks_free = gauge("pdmesh_kv_blocks_free", "KV blocks free or evictable")
         self.requests_running = gauge("pdmesh_requests_running", "Requests in the running batch")
-        self.requests_waiting = gauge("pdmesh_requests_waiting", "Requests waiting to run or for KV")
+        self.requests_waiting = gauge(
+            "pdmesh_requests_waiting", "Requests waiting to run or for KV"
+        )
 
 
 @functools.cache
@@ -83,7 +102,8 @@ def default_collectors() -> WorkerCollectors:
 
 
 class WorkerMetrics:
-    """One rank's counters. Not thread-safe: counted from the engine thread only (where Status reads them)."""
+    """One rank's counters. Not thread-safe: counted from the engine thread only (where Status reads
+    them)."""
 
     def __init__(self, instance_id: str, collectors: WorkerCollectors | None = None) -> None:
         families = collectors if collectors is not None else default_collectors()
@@ -95,8 +115,12 @@ class WorkerMetrics:
         self._received = families.kv_received_bytes.labels(instance_id)
         self._expiries = families.lease_expiries.labels(instance_id)
         self._quarantines = families.kv_quarantines.labels(instance_id)
-        self._load = (families.kv_blocks_used.labels(instance_id), families.kv_blocks_free.labels(instance_id),
-                      families.requests_running.labels(instance_id), families.requests_waiting.labels(instance_id))
+        self._load = (
+            families.kv_blocks_used.labels(instance_id),
+            families.kv_blocks_free.labels(instance_id),
+            families.requests_running.labels(instance_id),
+            families.requests_waiting.labels(instance_id),
+        )
 
     def snapshot(self) -> WorkerStats:
         return replace(self._stats)

@@ -1,17 +1,20 @@
 """Wiring shared by the decode and prefill servers: engine, NIXL agent, kvstore, gRPC, heartbeat.
 
-`run_worker` builds the engine, a NIXL agent (named after the instance id) over its KV pool and the rank's
-`WorkerMetrics`, publishes the agent's metadata in the kvstore, builds the role's `Worker` from those parts
-(`WorkerSpec.make_worker`: the role that runs in the engine thread and the servicer over it), starts the
-engine thread with that role and the gRPC server, then heartbeats `InstanceInfo(ready=True, stats=...)`
-(and sets the load gauges) until cancelled; on the way out it deregisters, stops serving, closes the
-role, aborts everything in the engine and closes its clients (in that order).
+`run_worker` builds the engine, a NIXL agent (named after the instance id) over its KV pool and the
+rank's `WorkerMetrics`, publishes the agent's metadata in the kvstore, builds the role's `Worker`
+from those parts (`WorkerSpec.make_worker`: the role that runs in the engine thread and the servicer
+over it), starts the engine thread with that role and the gRPC server, then heartbeats
+`InstanceInfo(ready=True, stats=...)` (and sets the load gauges) until cancelled; on the way out it
+deregisters, stops serving, closes the role, aborts everything in the engine and closes its clients
+(in that order).
 
-A DEP rank (`DEPOptions.is_rank`; its `common` comes from `dep_instance.rank_common`) first joins its
-instance's group, builds the engine with its share of the experts, registers as `<id>-r<rank>` with rank
-and dp_size, runs its EPLB agent (`worker.eplb_agent`, every --eplb-report-s; 0: none), and also ends (raising `ServiceStopped`) when its engine loop ends on its own: another rank
-stopped or the group broke.
+A DEP rank (`DEPOptions.is_rank`; its `common` comes from `dep_instance.rank_common`) first joins
+its instance's group, builds the engine with its share of the experts, registers as `<id>-r<rank>`
+with rank and dp_size, runs its EPLB agent (`worker.eplb_agent`, every --eplb-report-s; 0: none),
+and also ends (raising `ServiceStopped`) when its engine loop ends on its own: another rank stopped
+or the group broke.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -49,8 +52,8 @@ ServicerT = TypeVar("ServicerT")
 
 
 class WorkerRole(EngineRole, Protocol):
-    """What `run_worker` needs from a rank's role: the engine-thread hooks, and `close()` for its event-loop
-    work (called after the gRPC server stopped, before the engine loop stops)."""
+    """What `run_worker` needs from a rank's role: the engine-thread hooks, and `close()` for its
+    event-loop work (called after the gRPC server stopped, before the engine loop stops)."""
 
     async def close(self) -> None: ...
 
@@ -60,7 +63,7 @@ class WorkerParts:
     """What a role's `Worker` is built from."""
 
     instance_id: str
-    engine: EngineLoop               # not started yet: `run_worker` starts it with the role built from these
+    engine: EngineLoop  # not started yet: `run_worker` starts it with the role built from these
     agent: KVTransferAgent
     kvstore: KVStoreClient
 
@@ -75,8 +78,8 @@ class Worker(Generic[ServicerT]):
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    role: str                                          # "decode" | "prefill"
-    service_name: str                                  # full gRPC service name, for health
+    role: str  # "decode" | "prefill"
+    service_name: str  # full gRPC service name, for health
     make_worker: Callable[[WorkerParts], Worker[Any]]
     add_servicer: Callable[[Any, grpc.aio.Server], None]
 
@@ -89,52 +92,91 @@ async def discover_kvstore(registry: Registry, timeout_s: float = KVSTORE_DISCOV
         if found:
             return found[0].address
         if asyncio.get_running_loop().time() > deadline:
-            raise TimeoutError(f"no kvstore instance registered within {timeout_s:g}s (pass --kvstore)")
+            raise TimeoutError(
+                f"no kvstore instance registered within {timeout_s:g}s (pass --kvstore)"
+            )
         await asyncio.sleep(0.5)
 
 
-async def run_worker(spec: WorkerSpec, common: CommonConfig, model_dir: Path, engine_config: EngineConfig,
-                     kvstore_address: str = "", ready: asyncio.Event | None = None,
-                     dep: DEPOptions | None = None) -> None:
+async def run_worker(
+    spec: WorkerSpec,
+    common: CommonConfig,
+    model_dir: Path,
+    engine_config: EngineConfig,
+    kvstore_address: str = "",
+    ready: asyncio.Event | None = None,
+    dep: DEPOptions | None = None,
+) -> None:
     """Serve until cancelled (see the module docstring)."""
     dep = dep if dep is not None and dep.size > 1 else None
     if dep is not None and not dep.is_rank:
-        raise ValueError("a DEP instance is started with `pdmesh serve ROLE --dep N`, which runs its ranks")
-    port = common.port or (0 if common.instance_id else free_port(common.host))   # the default id needs it
+        raise ValueError(
+            "a DEP instance is started with `pdmesh serve ROLE --dep N`, which runs its ranks"
+        )
+    # the default id needs it
+    port = common.port or (0 if common.instance_id else free_port(common.host))
     instance_id = common.instance(spec.role, port)
     context = await asyncio.to_thread(_join_dep, common, dep) if dep is not None else None
     engine = await asyncio.to_thread(EngineCore, model_dir, engine_config, context)
     # Decode needs NIXL's progress thread to receive writes promptly; prefill drives progress itself
     # (poll/wait on its own transfers), which measured faster than with the thread.
     agent = KVTransferAgent(instance_id, engine.kv_caches, progress_thread=spec.role == "decode")
-    rank, size = (dep.rank or 0, dep.size) if dep is not None else (0, 1)     # a DEP rank has its rank
+    rank, size = (dep.rank or 0, dep.size) if dep is not None else (0, 1)  # a DEP rank has its rank
     loop = EngineLoop(engine, agent, instance_id, rank, size, WorkerMetrics(instance_id))
     redis = connect(common.redis_url)
     registry = Registry(redis, common.deployment)
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(redis.aclose)
-        stack.callback(agent.close)                   # after the engine thread, its only user, ended
+        stack.callback(agent.close)  # after the engine thread, its only user, ended
         if context is not None:
-            stack.callback(shutdown_dep)              # likewise: the thread's last step was a collective
+            stack.callback(shutdown_dep)  # likewise: the thread's last step was a collective
         kvstore = KVStoreClient(kvstore_address or await discover_kvstore(registry))
         stack.push_async_callback(kvstore.close)
         await kvstore.register_agent(instance_id, agent.metadata(), instance_id)
         worker = spec.make_worker(WorkerParts(instance_id, loop, agent, kvstore))
         loop.start(worker.role)
         stack.push_async_callback(loop.stop)
-        stack.push_async_callback(worker.role.close)    # before the loop stops, after the server did
-        server = await start_grpc_server(common.host, port, [lambda s: spec.add_servicer(worker.servicer, s)],
-                                         [spec.service_name])
+        stack.push_async_callback(worker.role.close)  # before the loop stops, after the server did
+        server = await start_grpc_server(
+            common.host,
+            port,
+            [lambda s: spec.add_servicer(worker.servicer, s)],
+            [spec.service_name],
+        )
         stack.push_async_callback(server.stop)
-        info = InstanceInfo(instance_id, Role(spec.role), common.address(server.port), rank=rank, dp_size=size,
-                            model=Path(model_dir).resolve().name, ready=True)
+        info = InstanceInfo(
+            instance_id,
+            Role(spec.role),
+            common.address(server.port),
+            rank=rank,
+            dp_size=size,
+            model=Path(model_dir).resolve().name,
+            ready=True,
+        )
         await stay_registered(stack, registry, lambda: _report(loop, info), common.heartbeat_s)
         await server.set_serving(True)
         if dep is not None and dep.eplb_report_s > 0:
-            _start_eplb_agent(stack, loop, redis, EPLBAgentConfig(
-                common.deployment, base_instance(instance_id, rank, size), rank, size, dep.eplb_report_s))
-        log.info("serving", role=spec.role, instance=instance_id, address=info.address, rank=rank, dp_size=size,
-                 kv_blocks=engine.kv_layout.num_blocks)
+            _start_eplb_agent(
+                stack,
+                loop,
+                redis,
+                EPLBAgentConfig(
+                    common.deployment,
+                    base_instance(instance_id, rank, size),
+                    rank,
+                    size,
+                    dep.eplb_report_s,
+                ),
+            )
+        log.info(
+            "serving",
+            role=spec.role,
+            instance=instance_id,
+            address=info.address,
+            rank=rank,
+            dp_size=size,
+            kv_blocks=engine.kv_layout.num_blocks,
+        )
         if ready is not None:
             ready.set()
         await _until_stopped(loop, instance_id, context is not None)
@@ -142,14 +184,29 @@ async def run_worker(spec: WorkerSpec, common: CommonConfig, model_dir: Path, en
 
 def _join_dep(common: CommonConfig, dep: DEPOptions) -> DEPContext:
     """Join the instance's group (blocks until every rank joined)."""
+    if dep.rank is None:  # run_worker joins only as a rank (`dep.is_rank`)
+        raise ValueError("joining a DEP group needs the rank (--dep-rank)")
     master = master_addr(common.host, dep.dist_host)
-    return init_dep(DEPConfig(dep.rank, dep.size, master, dep.dist_port, dp_sync=dep.dp_sync,
-                              num_redundant_experts=dep.num_redundant_experts))
+    return init_dep(
+        DEPConfig(
+            dep.rank,
+            dep.size,
+            master,
+            dep.dist_port,
+            dp_sync=dep.dp_sync,
+            num_redundant_experts=dep.num_redundant_experts,
+        )
+    )
 
 
-def _start_eplb_agent(stack: contextlib.AsyncExitStack, loop: EngineLoop, redis: aioredis.Redis,
-                      config: EPLBAgentConfig) -> None:
-    """Run the rank's EPLB agent (worker.eplb_agent) until `stack` closes (first: before Redis and the loop)."""
+def _start_eplb_agent(
+    stack: contextlib.AsyncExitStack,
+    loop: EngineLoop,
+    redis: aioredis.Redis,
+    config: EPLBAgentConfig,
+) -> None:
+    """Run the rank's EPLB agent (worker.eplb_agent) until `stack` closes (first: before Redis and
+    the loop)."""
     task = asyncio.ensure_future(run_eplb_agent(loop, redis, config))
 
     async def stop() -> None:
@@ -160,9 +217,10 @@ def _start_eplb_agent(stack: contextlib.AsyncExitStack, loop: EngineLoop, redis:
 
 
 async def _until_stopped(loop: EngineLoop, instance_id: str, dep: bool) -> None:
-    """Until cancelled; a DEP rank also ends when its engine loop does (the instance cannot go on)."""
+    """Until cancelled; a DEP rank also ends when its engine loop does (the instance cannot go
+    on)."""
     if not dep or loop.ended is None:
-        await asyncio.Future()          # until cancelled
+        await asyncio.Future()  # until cancelled
         return
     reason = await asyncio.shield(loop.ended)
     raise ServiceStopped(f"{instance_id}: {reason}")

@@ -1,8 +1,9 @@
 """`RequestStream`: one request's step outputs, fed from the engine thread, read on the event loop.
 
-The engine thread never touches asyncio objects itself: it posts `feed(items)` or `settle(future, ...)`
-to the event loop (`EngineLoop.post`), where they run.
+The engine thread never touches asyncio objects itself: it posts `feed(items)` or `settle(future,
+...)` to the event loop (`EngineLoop.post`), where they run.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -53,9 +54,11 @@ def feed(items: Sequence[StreamItem]) -> None:
         stream.queue.put_nowait(item)
 
 
-def settle(future: asyncio.Future[Any], value: Any = None, error: BaseException | None = None) -> None:
-    """Event loop side: resolve `future` with `value`, or fail it with `error`; a no-op once its caller gave
-    up (cancelled) or it was resolved already."""
+def settle(
+    future: asyncio.Future[Any], value: Any = None, error: BaseException | None = None
+) -> None:
+    """Event loop side: resolve `future` with `value`, or fail it with `error`; a no-op once its
+    caller gave up (cancelled) or it was resolved already."""
     if future.done():
         return
     if error is not None:
