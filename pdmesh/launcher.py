@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdmesh_service.process import die_with_parent
-from pdmesh_service.redis_server import EmbeddedRedis, free_port, free_port_block
+from pdmesh_service.redis_server import EmbeddedRedis, PortPicker, free_port, free_port_block
 
 ROLE_ORDER = ("kvstore", "eplb", "prefill", "decode", "gateway")
 
@@ -94,8 +94,10 @@ class ServiceSpec:
 def plan_mesh(
     options: MeshOptions, redis_url: str, port_of=free_port, block_of=free_port_block
 ) -> list[ServiceSpec]:
-    """The processes of a mesh, in start order (pure apart from picking free ports)."""
+    """The processes of a mesh, in start order (pure apart from picking free ports; no two picks
+    overlap, nor the gateway's fixed ports)."""
     host = options.host
+    picker = PortPicker(host, port_of, block_of, taken=(options.grpc_port, options.http_port))
     base = (sys.executable, "-m", "pdmesh.cli.main", "serve")
 
     def common(role: str, name: str, port: int, metrics: int | None) -> tuple[str, ...]:
@@ -118,7 +120,7 @@ def plan_mesh(
         return args + (("--metrics-port", str(metrics)) if metrics is not None else ())
 
     specs: list[ServiceSpec] = []
-    kv_port, kv_metrics = port_of(host), port_of(host)
+    kv_port, kv_metrics = picker.block(), picker.block()
     kvstore = f"{host}:{kv_port}"
     specs.append(
         ServiceSpec(
@@ -129,7 +131,7 @@ def plan_mesh(
             kv_metrics,
         )
     )
-    eplb_port, eplb_metrics = port_of(host), port_of(host)
+    eplb_port, eplb_metrics = picker.block(), picker.block()
     specs.append(
         ServiceSpec(
             "eplb-0",
@@ -144,11 +146,7 @@ def plan_mesh(
         size = options.dep(role)
         for index in range(count):
             name = f"{role}-{index}"
-            port, metrics = (
-                (port_of(host), port_of(host))
-                if size == 1
-                else (block_of(host, size), block_of(host, size))
-            )
+            port, metrics = picker.block(size), picker.block(size)
             argv = common(role, name, port, metrics) + (
                 "--model",
                 str(options.model_dir),

@@ -24,6 +24,7 @@ MAX_TEMPERATURE = 100.0
 # Temperatures below this are treated as greedy (as vLLM does): dividing logits by them is
 # numerically meaningless and the result equals argmax anyway.
 GREEDY_TEMPERATURE_EPS = 1e-5
+INT32_MAX, UINT32_MAX = 2**31 - 1, 2**32 - 1  # the wire types of top_k / stop ids and max_tokens
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 
 
@@ -102,14 +103,19 @@ class SamplingParams:
         object.__setattr__(self, name, value)  # frozen: normalise in place during __post_init__
 
     def _validate_numbers(self) -> None:
-        self._set("max_tokens", _check_int("max_tokens", self.max_tokens, 1, None, ">= 1"))
+        self._set(
+            "max_tokens",
+            _check_int("max_tokens", self.max_tokens, 1, UINT32_MAX, "in [1, 2**32 - 1]"),
+        )
         temperature = _check_float("temperature", self.temperature)
         if not 0.0 <= temperature <= MAX_TEMPERATURE:
             raise ValueError(
                 f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {temperature!r}"
             )
         self._set("temperature", temperature)
-        top_k = _check_int("top_k", self.top_k, -1, None, ">= 1, or 0 / -1 to disable")
+        top_k = _check_int(
+            "top_k", self.top_k, -1, INT32_MAX, "in [1, 2**31 - 1], or 0 / -1 to disable"
+        )
         self._set("top_k", max(top_k, 0))
         top_p = _check_float("top_p", self.top_p)
         if not 0.0 < top_p <= 1.0:
@@ -149,7 +155,10 @@ class SamplingParams:
         ids = _as_tuple("stop_token_ids", self.stop_token_ids, allow_str=False)
         self._set(
             "stop_token_ids",
-            tuple(_check_int("stop_token_ids", t, 0, None, "list with entries >= 0") for t in ids),
+            tuple(
+                _check_int("stop_token_ids", t, 0, INT32_MAX, "list with entries in [0, 2**31 - 1]")
+                for t in ids
+            ),
         )
 
     @property

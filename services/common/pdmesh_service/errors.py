@@ -27,6 +27,12 @@ class InvalidArgument(MeshError, ValueError):
     grpc_code, http_status, error_type = "INVALID_ARGUMENT", 400, "invalid_request_error"
 
 
+class PayloadTooLarge(InvalidArgument):
+    """A request body over the front door's size limit."""
+
+    grpc_code, http_status, error_type = "INVALID_ARGUMENT", 413, "invalid_request_error"
+
+
 class NotFound(MeshError, KeyError):
     grpc_code, http_status, error_type = "NOT_FOUND", 404, "not_found_error"
 

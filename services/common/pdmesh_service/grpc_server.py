@@ -139,15 +139,21 @@ async def start_grpc_server(
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            # gRPC sets SO_REUSEPORT by default, so a second server on a port in use would start
+            # and split the traffic; a port in use must be an error at start instead.
+            ("grpc.so_reuseport", 0),
         ],
     )
     for add in register:
         add(server)
     health = health_async.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpc.aio's answer to a failed bind
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot bind gRPC on {host}:{port}")
+        raise OSError(f"cannot bind gRPC on {host}:{port} (is the port in use?)")
     await server.start()
     result = GrpcServer(server, health, bound, tuple(service_names))
     await result.set_serving(False)

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 
 
 def find_redis_server() -> str:
@@ -57,6 +58,31 @@ def free_port_block(host: str = "127.0.0.1", count: int = 1, attempts: int = 200
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free on `host` right now, for a service that binds it shortly after."""
     return free_port_block(host, 1)
+
+
+class PortPicker:
+    """Free ports for services that bind later, never overlapping what this picker handed out or
+    was told is `taken` (the picks of one plan are bound only after all are made)."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port_of: Callable[[str], int] = free_port,
+        block_of: Callable[[str, int], int] = free_port_block,
+        taken: Iterable[int] = (),
+    ) -> None:
+        self.host, self.port_of, self.block_of = host, port_of, block_of
+        self.taken: set[int] = set(taken)
+
+    def block(self, count: int = 1, attempts: int = 100) -> int:
+        """The first of `count` consecutive free ports that overlap no earlier pick."""
+        for _ in range(attempts):
+            base = self.port_of(self.host) if count == 1 else self.block_of(self.host, count)
+            ports = set(range(base, base + count))
+            if not ports & self.taken:
+                self.taken |= ports
+                return base
+        raise OSError(f"no {count} free ports on {self.host} apart from {len(self.taken)} taken")
 
 
 class EmbeddedRedis:

@@ -36,7 +36,7 @@ from pdmesh_gateway.openai_api import (
 )
 from pdmesh_gateway.orchestrator import Orchestrator
 from pdmesh_service.eplb_protocol import summarize_all
-from pdmesh_service.errors import InvalidArgument, MeshError
+from pdmesh_service.errors import InvalidArgument, MeshError, PayloadTooLarge
 from pdmesh_service.instance import Role
 from pdmesh_service.logging import get_logger
 
@@ -75,11 +75,48 @@ def error_response(error: MeshError) -> JSONResponse:
     return JSONResponse(error_body(error), status_code=error.http_status)
 
 
-async def _read_json(request: Request) -> Any:
+DEFAULT_MAX_BODY_BYTES = 16 << 20  # a request body over this is refused with 413
+
+
+async def _read_json(request: Request, max_bytes: int) -> Any:
+    """The JSON body: 413 past `max_bytes` (read no further), 400 for bad JSON, nesting too deep
+    for the parser, or text that is not valid Unicode (a lone surrogate from a `\\udXXX` escape)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise PayloadTooLarge(f"the request body is {declared} bytes; the limit is {max_bytes}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise PayloadTooLarge(f"the request body exceeds the limit of {max_bytes} bytes")
+        chunks.append(chunk)
     try:
-        return json.loads(await request.body())
+        body = json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InvalidArgument(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise InvalidArgument("the request body is nested too deeply") from None
+    _check_text(body)
+    return body
+
+
+def _check_text(body: Any) -> None:
+    """InvalidArgument if a string anywhere in `body` cannot be UTF-8 (iterative: any depth)."""
+    stack = [body]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidArgument(
+                    "the request holds a string that is not valid Unicode (a lone surrogate)"
+                ) from None
+        elif isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -152,6 +189,7 @@ class _Handlers:
         model: ModelInfo,
         registry: CollectorRegistry,
         eplb: EplbView | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
         self.orchestrator, self.tokenizer, self.model, self.registry = (
             orchestrator,
@@ -159,13 +197,15 @@ class _Handlers:
             model,
             registry,
         )
-        self.eplb = eplb
+        self.eplb, self.max_body_bytes = eplb, max_body_bytes
 
     async def _generate(
         self, request: Request, parse: Callable[[Any, Tokenizer, ModelInfo], OpenAIRequest]
     ) -> Response:
         try:
-            api_request = parse(await _read_json(request), self.tokenizer, self.model)
+            body = await _read_json(request, self.max_body_bytes)
+            # Tokenizing a big prompt (and the chat template) takes long: off the event loop.
+            api_request = await asyncio.to_thread(parse, body, self.tokenizer, self.model)
         except MeshError as e:
             self.orchestrator.metrics.rejected(e)
             raise
@@ -256,10 +296,11 @@ def create_app(
     model: ModelInfo,
     registry: CollectorRegistry | None = None,
     eplb: EplbView | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> Starlette:
     """The gateway's HTTP app; `registry` is what /metrics exposes (default: the process registry),
-    `eplb` what /mesh/eplb lists (none: an empty list)."""
-    h = _Handlers(orchestrator, tokenizer, model, registry or REGISTRY, eplb)
+    `eplb` what /mesh/eplb lists (none: an empty list); bodies over `max_body_bytes` get 413."""
+    h = _Handlers(orchestrator, tokenizer, model, registry or REGISTRY, eplb, max_body_bytes)
     routes = [
         Route("/v1/completions", h.completions, methods=["POST"]),
         Route("/v1/chat/completions", h.chat, methods=["POST"]),

@@ -21,7 +21,7 @@ from pdmesh_engine.tokenizer import Tokenizer
 from pdmesh_gateway.core import ModelInfo
 from pdmesh_gateway.metrics import GatewayMetrics
 from pdmesh_gateway.orchestrator import DEFAULT_MAX_PREFILL_INFLIGHT, Mode, Orchestrator
-from pdmesh_gateway.rest import create_app, eplb_view
+from pdmesh_gateway.rest import DEFAULT_MAX_BODY_BYTES, create_app, eplb_view
 from pdmesh_gateway.router import Router, refresh_forever
 from pdmesh_gateway.servicer import SERVICE_NAME, GenerateServicer, add_to_server
 from pdmesh_service.grpc_server import start_grpc_server
@@ -44,6 +44,7 @@ class GatewayConfig:
     refresh_s: float = 0.5  # how often the registry is read for routing
     # per prefill rank, Reserve to end of Prefill
     max_prefill_inflight: int = DEFAULT_MAX_PREFILL_INFLIGHT
+    max_body_mb: float = DEFAULT_MAX_BODY_BYTES / (1 << 20)  # REST bodies over this get 413
 
     def __post_init__(self) -> None:
         try:
@@ -62,6 +63,8 @@ class GatewayConfig:
             raise ValueError(
                 f"--max-prefill-inflight must be >= 1, got {self.max_prefill_inflight}"
             )
+        if not self.max_body_mb > 0:
+            raise ValueError(f"--max-body-mb must be positive, got {self.max_body_mb}")
 
     @property
     def model_name(self) -> str:
@@ -97,6 +100,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="requests per prefill rank between their decode Reserve and the end of their Prefill; "
         "the others wait at the gateway (FCFS) without holding decode blocks",
     )
+    g.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=DEFAULT_MAX_BODY_BYTES / (1 << 20),
+        help="largest REST request body in MiB (larger: 413)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -109,6 +118,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         request_timeout_s=args.request_timeout_s,
         max_model_len=args.max_model_len,
         max_prefill_inflight=args.max_prefill_inflight,
+        max_body_mb=args.max_body_mb,
     )
 
 
@@ -172,7 +182,12 @@ async def serve(config: GatewayConfig, ready: asyncio.Event | None = None) -> No
         common.host, common.port, [lambda s: add_to_server(servicer, s)], [SERVICE_NAME]
     )
     app = create_app(
-        orchestrator, tokenizer, model, REGISTRY, eplb=eplb_view(redis, common.deployment)
+        orchestrator,
+        tokenizer,
+        model,
+        REGISTRY,
+        eplb=eplb_view(redis, common.deployment),
+        max_body_bytes=int(config.max_body_mb * (1 << 20)),
     )
     http, http_task, http_port = await _start_http(app, common.host, config.http_port)
     instance_id = common.instance(Role.GATEWAY, grpc_server.port)

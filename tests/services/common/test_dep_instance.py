@@ -68,7 +68,7 @@ def test_rank_argv_pins_the_rank_after_the_options() -> None:
 
 
 def test_plan_mesh_gives_dep_instances_a_port_block() -> None:
-    ports = iter(range(6000, 6100))
+    ports, blocks = iter(range(6000, 6100)), iter(range(7000, 8000, 10))
     options = MeshOptions(
         Path("m"), num_prefill=1, num_decode=2, prefill_dep=1, decode_dep=4, num_redundant_experts=4
     )
@@ -76,14 +76,14 @@ def test_plan_mesh_gives_dep_instances_a_port_block() -> None:
         options,
         "redis://x",
         port_of=lambda host: next(ports),
-        block_of=lambda host, n: 7000 + 10 * n,
+        block_of=lambda host, n: next(blocks),
     )
     prefill, decode = (
         [s for s in specs if s.role == "prefill"],
         [s for s in specs if s.role == "decode"],
     )
     assert prefill[0].addresses == (prefill[0].grpc_address,) and "--dep" not in prefill[0].argv
-    assert decode[0].addresses == tuple(f"127.0.0.1:{7040 + r}" for r in range(4))
+    assert decode[0].addresses == tuple(f"127.0.0.1:{7000 + r}" for r in range(4))
     argv = decode[1].argv
     assert (
         argv[argv.index("--dep") + 1] == "4"
@@ -213,3 +213,13 @@ def test_pdmesh_up_passes_the_eplb_options_to_the_controller_only() -> None:
     eplb = next(s for s in specs if s.role == "eplb")
     assert eplb.argv[-3:] == ("--no-rebalance", "--eplb-window-steps", "8")
     assert all("--eplb-window-steps" not in s.argv for s in specs if s.role != "eplb")
+
+
+def test_plan_mesh_never_hands_out_one_port_twice() -> None:
+    picks = iter([6000, 6000, 6001, 8000, 6002, 6003, 6003, 6004, 6005, 6006, 6007, 6008, 6009])
+    options = MeshOptions(Path("m"), grpc_port=8000, http_port=8001)
+    specs = plan_mesh(options, "redis://x", port_of=lambda host: next(picks))
+    ports = [int(s.grpc_address.rsplit(":", 1)[1]) for s in specs] + [
+        s.metrics_port for s in specs if s.metrics_port is not None
+    ]
+    assert len(ports) == len(set(ports)) and 6000 in ports and ports.count(8000) == 1

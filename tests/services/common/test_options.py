@@ -47,3 +47,20 @@ def test_a_wildcard_bind_advertises_this_machines_address() -> None:
     assert CommonConfig(host="0.0.0.0").address(7) == f"{own}:7"
     assert CommonConfig(host="0.0.0.0", advertise_host="10.1.2.3").address(7) == "10.1.2.3:7"
     assert CommonConfig(host="::1").address(7) == "[::1]:7"
+
+
+def test_a_second_server_on_a_port_in_use_fails_at_start() -> None:
+    import asyncio
+
+    from pdmesh_service.grpc_server import start_grpc_server
+
+    async def main() -> str:
+        first = await start_grpc_server("127.0.0.1", 0, [], [])
+        try:
+            with pytest.raises(OSError, match="in use") as error:
+                await start_grpc_server("127.0.0.1", first.port, [], [])
+            return str(error.value)
+        finally:
+            await first.stop()
+
+    assert "127.0.0.1" in asyncio.run(main())

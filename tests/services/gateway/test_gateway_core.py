@@ -12,13 +12,10 @@ import grpc
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
-from tokenizers import Tokenizer as HFTokenizer
 
-from pdmesh.tools.tokenizer_train import tokenizer_config, train_tokenizer
 from pdmesh_engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdmesh_gateway.core import (
     GenerationEvent,
-    ModelInfo,
     TextStream,
     TokenLogprob,
     Usage,
@@ -45,23 +42,6 @@ from pdmesh_service.registry import InstanceInfo, Load
 CONTEXT = 64
 MISSING = object()
 SCRIPT_TEXT = "Hello world. The mesh routes every request to a decode rank."
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    cfg = tokenizer_config(CONTEXT)
-    return Tokenizer(
-        HFTokenizer.from_str(train_tokenizer(512)),
-        bos_token=cfg["bos_token"],
-        eos_token=cfg["eos_token"],
-        add_bos_token=True,
-        chat_template=cfg["chat_template"],
-    )
-
-
-@pytest.fixture(scope="module")
-def model(tok: Tokenizer) -> ModelInfo:
-    return ModelInfo("tiny", "tiny-dir", CONTEXT, tok.vocab_size, created=1)
 
 
 def _error(fn, *args) -> Any:

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import fields
 
 import pytest
-from test_gateway_core import model, tok  # noqa: F401 - fixtures
 
 from pdmesh_engine.sampling import SamplingParams
 from pdmesh_gateway.core import SAMPLING_FIELDS, WorkerChunk

@@ -31,7 +31,7 @@ from pdmesh_engine.parallel.dep import check_dep_choices
 from pdmesh_service.logging import configure_logging, get_logger
 from pdmesh_service.options import CommonConfig
 from pdmesh_service.process import die_with_parent
-from pdmesh_service.redis_server import free_port, free_port_block
+from pdmesh_service.redis_server import PortPicker, free_port_block
 
 log = get_logger(__name__)
 STOP_GRACE_S = 8.0  # below the launcher's 10 s, so the supervisor kills what is left itself
@@ -206,7 +206,11 @@ def run_instance(
     check_expert_split(model_dir, dep)
     configure_logging(role, common.log_level)
     base = common.port or free_port_block(common.host, dep.size)
-    dist_port = dep.dist_port or free_port(master_addr(common.host))
+    metrics = common.metrics_port
+    taken = [*range(base, base + dep.size)]
+    taken += [*range(metrics, metrics + dep.size)] if metrics is not None else []
+    # not one of the ranks' own ports, which they bind only after the rendezvous port is taken
+    dist_port = dep.dist_port or PortPicker(master_addr(common.host), taken=taken).block()
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
