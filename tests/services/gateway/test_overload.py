@@ -12,7 +12,6 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 from test_gateway_core import (
-    CONTEXT,
     SCRIPT_TEXT,
     FakeDecode,
     FakePrefill,
@@ -20,32 +19,12 @@ from test_gateway_core import (
     _run,
     _serve_fakes,
 )
-from tokenizers import Tokenizer as HFTokenizer
 
-from pdmesh.tools.tokenizer_train import tokenizer_config, train_tokenizer
-from pdmesh_engine.tokenizer import Tokenizer
 from pdmesh_gateway.admission import PrefillAdmission
-from pdmesh_gateway.core import ModelInfo, build_request, fold
+from pdmesh_gateway.core import build_request, fold
 from pdmesh_gateway.orchestrator import GatewayMetrics, Orchestrator
 from pdmesh_service.errors import ResourceExhausted
 from pdmesh_service.grpc_server import ADMITTED_METADATA
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    cfg = tokenizer_config(CONTEXT)
-    return Tokenizer(
-        HFTokenizer.from_str(train_tokenizer(512)),
-        bos_token=cfg["bos_token"],
-        eos_token=cfg["eos_token"],
-        add_bos_token=True,
-        chat_template=cfg["chat_template"],
-    )
-
-
-@pytest.fixture(scope="module")
-def model(tok: Tokenizer) -> ModelInfo:
-    return ModelInfo("tiny", "tiny-dir", CONTEXT, tok.vocab_size, created=1)
 
 
 class PoolDecode(FakeDecode):
