@@ -6,23 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from meshlib import WORKER_ARGS
 
 from pdmesh.launcher import Mesh, MeshOptions
 from pdmesh_service.redis_server import free_port
-
-# Small KV pools so leaks show up; a small token budget so chunked prefill happens.
-WORKER_ARGS = (
-    "--block-size",
-    "8",
-    "--num-blocks",
-    "160",
-    "--max-num-batched-tokens",
-    "64",
-    "--max-num-seqs",
-    "16",
-    "--torch-threads",
-    "1",
-)
 
 
 @pytest.fixture(scope="session")

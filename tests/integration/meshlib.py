@@ -8,6 +8,20 @@ import grpc
 
 from pdmesh.launcher import Mesh
 
+# Small KV pools so leaks show up; a small token budget so chunked prefill happens.
+WORKER_ARGS = (
+    "--block-size",
+    "8",
+    "--num-blocks",
+    "160",
+    "--max-num-batched-tokens",
+    "64",
+    "--max-num-seqs",
+    "16",
+    "--torch-threads",
+    "1",
+)
+
 
 def http_url(mesh: Mesh) -> str:
     return f"http://{mesh.options.host}:{mesh.options.http_port}"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from meshlib import http_url, wait_idle
+from meshlib import WORKER_ARGS, http_url, wait_idle
 from openai import OpenAI
 
 from pdmesh.launcher import Mesh, MeshOptions
@@ -33,18 +33,6 @@ PROMPTS = [
     "import numpy as np",
 ]
 MAX_TOKENS = 12
-WORKER_ARGS = (
-    "--block-size",
-    "8",
-    "--num-blocks",
-    "160",
-    "--max-num-batched-tokens",
-    "64",
-    "--max-num-seqs",
-    "16",
-    "--torch-threads",
-    "1",
-)  # as conftest.py's: small pools, chunked prefill
 # name -> (prefill ranks, decode ranks, redundant expert slots)
 MESHES = {"prefill2-decode2": (2, 2, 2), "prefill1-decode4": (1, 4, 0)}
 

@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 import pytest
 import redis.asyncio as aioredis
+from meshlib import WORKER_ARGS as SMALL_POOLS
 from meshlib import http_url
 from openai import OpenAI
 
@@ -38,20 +39,7 @@ PROMPTS = [
 ]
 MAX_TOKENS = 24
 INSTANCE, MODEL = "decode-0", "target"
-WORKER_ARGS = (
-    "--block-size",
-    "8",
-    "--num-blocks",
-    "160",
-    "--max-num-batched-tokens",
-    "64",
-    "--max-num-seqs",
-    "16",
-    "--torch-threads",
-    "1",
-    "--eplb-report-s",
-    "0.2",
-)
+WORKER_ARGS = (*SMALL_POOLS, "--eplb-report-s", "0.2")
 CONTROLLER_ARGS = ("--eplb-window-steps", "8", "--eplb-step-interval", "16", "--poll-s", "0.2")
 WAIT_S = 90.0
 
