@@ -5,7 +5,8 @@ This umbrella package is the `pdmesh` command over the per-service distributions
 
     cli/       `pdmesh up | serve ROLE | generate | model | client | bench | eplb`
     launcher   `pdmesh up`: plan → start (private Redis, kvstore, eplb, prefill, decode, gateway)
-               → watch → stop
+               → supervise → stop
+    supervisor the launcher's restart loop (policy: pdmesh_service.supervision)
     tools/     development tools kept off the serving path: seeded checkpoints, tokenizer training,
                corpus
 """

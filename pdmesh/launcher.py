@@ -1,29 +1,46 @@
-"""The local launcher behind `pdmesh up`: plan the mesh's processes, start them, watch them, stop
-them.
+"""The local launcher behind `pdmesh up`: plan the mesh's processes, start them, supervise them,
+stop them.
 
 plan_mesh(MeshOptions) → [ServiceSpec] (pure: names, ports, argv) → Mesh.start(): Redis (embedded
-unless a URL is given) → kvstore → eplb → prefill and decode instances → gateway, each waited for
-through the standard gRPC health service (every rank of a DEP instance) → Mesh.stop(): SIGTERM in
-reverse order, SIGKILL after a grace period. Children also get SIGTERM if the launcher dies
-(PR_SET_PDEATHSIG), so no process is orphaned. A DEP instance (`--prefill-dep`/`--decode-dep` N > 1)
-is one `pdmesh serve ROLE --dep N` process that runs its N ranks on N consecutive ports
-(`ServiceSpec.addresses`).
+unless a URL is given; password-protected) → kvstore → eplb → prefill and decode instances →
+gateway, each waited for through the standard gRPC health service (every rank of a DEP instance)
+→ Mesh.start_supervisor(): a thread restarts whatever dies (`pdmesh.supervisor`, policy in
+`MeshOptions.restart_policy`) → Mesh.stop(): SIGTERM in reverse order, SIGKILL after a grace period.
+
+Secrets never travel in argv (visible in `ps`): every child gets the Redis URL (with its password)
+as PDMESH_REDIS_URL and the mesh token as PDMESH_MESH_TOKEN in its environment; the gateway alone
+gets the API key as PDMESH_API_KEY. Children run in their own process group (a terminal's Ctrl-C
+reaches the launcher only, which stops them in order) and get SIGTERM when the launcher dies, even
+by SIGKILL (PR_SET_PDEATHSIG), so no process is orphaned; a DEP instance's ranks likewise die with
+their instance process. A DEP instance (`--prefill-dep`/`--decode-dep` N > 1) is one `pdmesh serve
+ROLE --dep N` process that runs its N ranks on N consecutive ports (`ServiceSpec.addresses`); it
+exits when one rank dies and is restarted as a whole.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdmesh.supervisor import REDIS, GrpcHealthProbe, RedisUnit, ServiceUnit, Supervisor, Unit
 from pdmesh_service.process import die_with_parent
 from pdmesh_service.redis_server import EmbeddedRedis, PortPicker, free_port, free_port_block
+from pdmesh_service.supervision import RestartPolicy, RestartRecord, record_restarts_sync
 
 ROLE_ORDER = ("kvstore", "eplb", "prefill", "decode", "gateway")
+REDIS_URL_ENV, MESH_TOKEN_ENV, API_KEY_ENV = (
+    "PDMESH_REDIS_URL",
+    "PDMESH_MESH_TOKEN",
+    "PDMESH_API_KEY",
+)
 
 
 @dataclass(frozen=True)
@@ -35,7 +52,7 @@ class MeshOptions:
     host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 50051
-    redis_url: str | None = None
+    redis_url: str | None = field(default=None, repr=False)  # may carry a password
     deployment: str = "default"
     log_dir: Path = Path("pdmesh-logs")
     worker_args: tuple[str, ...] = ()  # engine options passed to prefill and decode ranks
@@ -47,6 +64,9 @@ class MeshOptions:
     # gateway admission per prefill rank (None: the gateway's default)
     max_prefill_inflight: int | None = None
     eplb_args: tuple[str, ...] = ()  # options of the EPLB controller (`pdmesh serve eplb --help`)
+    restart_policy: RestartPolicy = RestartPolicy()  # max_restarts=0: a death stops the mesh
+    mesh_token: str = field(default="", repr=False)  # shared by the services; "": a random one
+    api_key: str = field(default="", repr=False)  # the gateway's API key; "": none
 
     def __post_init__(self) -> None:
         if self.mode not in ("disagg", "agg"):
@@ -92,10 +112,11 @@ class ServiceSpec:
 
 
 def plan_mesh(
-    options: MeshOptions, redis_url: str, port_of=free_port, block_of=free_port_block
+    options: MeshOptions, port_of=free_port, block_of=free_port_block
 ) -> list[ServiceSpec]:
     """The processes of a mesh, in start order (pure apart from picking free ports; no two picks
-    overlap, nor the gateway's fixed ports)."""
+    overlap, nor the gateway's fixed ports). No secret is in an argv: the Redis URL comes with the
+    environment (`Mesh.environment`)."""
     host = options.host
     picker = PortPicker(host, port_of, block_of, taken=(options.grpc_port, options.http_port))
     base = (sys.executable, "-m", "pdmesh.cli.main", "serve")
@@ -108,8 +129,6 @@ def plan_mesh(
             host,
             "--port",
             str(port),
-            "--redis-url",
-            redis_url,
             "--deployment",
             options.deployment,
             "--instance-id",
@@ -180,23 +199,42 @@ def _dep_argv(options: MeshOptions, size: int) -> tuple[str, ...]:
 
 @dataclass
 class Mesh:
+    """A running mesh. `processes`: the current process of each planned service (replaced on a
+    restart); `redis`: the embedded Redis (None with `MeshOptions.redis_url`); `redis_url`: the URL
+    with its password; `restarts`: name → restarts so far (the embedded Redis as "redis").
+
+    Use: `start()` (blocks until every service is SERVING), then `start_supervisor()` (a thread:
+    restarts whatever dies, see `pdmesh.supervisor`; `wait_gave_up()` tells when it gave up), and
+    `stop()` in the end, from any thread. The thread that called `start()` must live until `stop()`
+    (a child dies with the thread that spawned it)."""
+
     options: MeshOptions
     specs: list[ServiceSpec] = field(default_factory=list)
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     redis: EmbeddedRedis | None = None
-    redis_url: str = ""
+    redis_url: str = field(default="", repr=False)
+    mesh_token: str = field(default="", repr=False)
+    restarts: dict[str, int] = field(default_factory=dict)
+    progress: Callable[[str], None] = field(default=print, repr=False)
+    startup_timeout_s: float = 300.0
+    supervisor: Supervisor | None = field(default=None, init=False, repr=False)
+    _stopped: bool = field(default=False, init=False, repr=False)
 
     def start(self, timeout_s: float = 300.0, progress=print) -> None:
         """Start everything and wait until each service reports SERVING; stops all on failure."""
         self.options.log_dir.mkdir(parents=True, exist_ok=True)
+        self.progress, self.startup_timeout_s = progress, timeout_s
+        self.mesh_token = self.options.mesh_token or secrets.token_urlsafe(32)
         try:
             if self.options.redis_url:
                 self.redis_url = self.options.redis_url
             else:
-                self.redis = EmbeddedRedis(self.options.host).start()
+                self.redis = EmbeddedRedis(
+                    self.options.host, log_path=self.options.log_dir / f"{REDIS}.log"
+                ).start()
                 self.redis_url = self.redis.url
-                progress(f"redis     embedded at {self.redis_url}")
-            self.specs = plan_mesh(self.options, self.redis_url)
+                progress(f"redis     embedded at {self.redis.display_url}")
+            self.specs = plan_mesh(self.options)
             deadline = time.monotonic() + timeout_s
             for group in ROLE_ORDER:
                 started = [s for s in self.specs if s.role == group]
@@ -211,28 +249,39 @@ class Mesh:
             self.stop()
             raise
 
-    def _spawn(self, spec: ServiceSpec) -> None:
-        log = open(self.options.log_dir / f"{spec.name}.log", "ab")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.processes[spec.name] = subprocess.Popen(
-            spec.argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            preexec_fn=die_with_parent(signal.SIGTERM),
+    def environment(self, spec: ServiceSpec) -> dict[str, str]:
+        """The environment of a service's process: the launcher's, plus the Redis URL and the mesh
+        token (the API key for the gateway only)."""
+        env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+        env.update(
+            {
+                "PYTHONUNBUFFERED": "1",
+                REDIS_URL_ENV: self.redis_url,
+                MESH_TOKEN_ENV: self.mesh_token,
+            }
         )
-        log.close()
+        if spec.role == "gateway" and self.options.api_key:
+            env[API_KEY_ENV] = self.options.api_key
+        return env
+
+    def _spawn(self, spec: ServiceSpec) -> None:
+        with open(self.options.log_dir / f"{spec.name}.log", "ab") as log:
+            self.processes[spec.name] = subprocess.Popen(
+                spec.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.environment(spec),
+                stdin=subprocess.DEVNULL,
+                process_group=0,
+                preexec_fn=die_with_parent(signal.SIGTERM),
+            )
 
     def _wait_serving(self, spec: ServiceSpec, address: str, deadline: float) -> None:
         """Until `address` (one of the service's ranks) reports SERVING; raises if the process
         exits."""
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        with grpc.insecure_channel(address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while True:
+        probe = GrpcHealthProbe([address])
+        try:
+            while not probe.poll():
                 process = self.processes[spec.name]
                 if process.poll() is not None:
                     raise RuntimeError(
@@ -244,13 +293,9 @@ class Mesh:
                         f"{spec.name} ({address}) was not ready in time; last log lines:\n"
                         f"{self.log_tail(spec.name)}"
                     )
-                try:
-                    reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
                 time.sleep(0.2)
+        finally:
+            probe.close()
 
     def log_tail(self, name: str, lines: int = 20) -> str:
         path = self.options.log_dir / f"{name}.log"
@@ -258,13 +303,82 @@ class Mesh:
             return "(no log)"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
+    # ----- what a chaos test needs -----
+    def names(self, role: str) -> list[str]:
+        """The services of a role ("kvstore", "eplb", "prefill", "decode", "gateway", or "redis":
+        the embedded one), in start order."""
+        if role == REDIS:
+            return [REDIS] if self.redis is not None else []
+        return [s.name for s in self.specs if s.role == role]
+
+    def pid_of(self, name: str) -> int | None:
+        """The pid of a service's current process (a DEP instance: its supervisor process), None
+        while it is not running."""
+        process = self.redis.process if name == REDIS and self.redis else self.processes.get(name)
+        return process.pid if process is not None and process.poll() is None else None
+
     def failed(self) -> list[str]:
-        """Services whose process has exited."""
+        """Services whose process has exited (and has not been restarted yet)."""
         return [name for name, p in self.processes.items() if p.poll() is not None]
 
+    # ----- supervision -----
+    def start_supervisor(self) -> Supervisor:
+        """Restart whatever dies from now on, in a thread, under `options.restart_policy`; restart
+        lines go to `progress`. After `start()`, once."""
+        if self.supervisor is not None:
+            raise RuntimeError("the supervisor is already running")
+        units: list[Unit] = [RedisUnit(self.redis)] if self.redis is not None else []
+        for spec in self.specs:
+            units.append(
+                ServiceUnit(
+                    spec.name,
+                    spec.addresses,
+                    functools.partial(self.processes.get, spec.name),
+                    functools.partial(self._spawn, spec),
+                )
+            )
+        self.supervisor = Supervisor(
+            units,
+            self.options.restart_policy,
+            self.restarts,
+            progress=self.progress,
+            record=self._record_restarts,
+            startup_timeout_s=self.startup_timeout_s,
+        )
+        self.supervisor.start()
+        return self.supervisor
+
+    def wait_gave_up(self, timeout_s: float | None = None) -> str | None:
+        """Block until the supervisor gave up on the mesh (the service whose restart budget ran
+        out), or for `timeout_s` (None)."""
+        if self.supervisor is None:
+            raise RuntimeError("no supervisor: call start_supervisor() first")
+        return self.supervisor.wait_gave_up(timeout_s)
+
+    def _record_restarts(self, records: dict[str, RestartRecord]) -> None:
+        import redis
+
+        client = redis.Redis.from_url(
+            self.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0
+        )
+        try:
+            record_restarts_sync(client, self.options.deployment, records)
+        finally:
+            client.close()
+
+    # ----- stop -----
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every service in reverse start order, SIGKILL what is left after the grace
-        period."""
+        """Stop supervising, then SIGTERM every service in reverse start order, SIGKILL what is left
+        after the grace period, and stop the embedded Redis. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.supervisor is not None:
+            self.supervisor.stop(lambda: self._shutdown(grace_s))
+        else:
+            self._shutdown(grace_s)
+
+    def _shutdown(self, grace_s: float) -> None:
         for name in reversed(list(self.processes)):
             if self.processes[name].poll() is None:
                 self.processes[name].send_signal(signal.SIGTERM)

@@ -8,7 +8,8 @@ request's `torch.Generator` is made when the request is first sampled and droppe
 reports it finished (`SchedulerOutput.finished_ids`, aborts included). Its state is a function of
 (seed, tokens sampled so far): the sampler draws exactly one [V] Exp(1) vector per sample of a
 non-greedy row, so a request whose first token was sampled elsewhere (decode after prefill) starts
-one draw ahead, and a preempted request keeps its generator.
+one draw ahead, a migrated request starts `prior_output_tokens` draws ahead, and a preempted request
+keeps its generator.
 """
 
 from __future__ import annotations
@@ -198,9 +199,12 @@ class ModelRunner:
         generator = self.generators.get(request.request_id)
         if generator is None:
             generator = torch.Generator(device=self.device).manual_seed(seed)
-            if not request.sampling_params.is_greedy:  # tokens sampled before this engine saw it
+            params = request.sampling_params
+            if not params.is_greedy:  # tokens sampled before this engine saw it
                 self.sampler.skip_draws(
-                    generator, self.model_config.vocab_size, request.num_output_tokens
+                    generator,
+                    self.model_config.vocab_size,
+                    params.prior_output_tokens + request.num_output_tokens,
                 )
             self.generators[request.request_id] = generator
         return generator

@@ -48,7 +48,10 @@ def _check_float(name: str, value: Any) -> float:
     """Return `value` as a finite float; ints are accepted, bools and strings are not."""
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int past the float range
+        value = math.inf
     if not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     return value
@@ -92,6 +95,9 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # tokens of this request generated elsewhere before (a migrated request's prompt ends with
+    # them): a seeded generator starts past their draws, so the continuation is the same
+    prior_output_tokens: int = 0
 
     def __post_init__(self) -> None:
         self._validate_numbers()
@@ -138,6 +144,12 @@ class SamplingParams:
                 0,
                 self.max_tokens,
                 f"in [0, max_tokens={self.max_tokens}]",
+            ),
+        )
+        self._set(
+            "prior_output_tokens",
+            _check_int(
+                "prior_output_tokens", self.prior_output_tokens, 0, UINT32_MAX, "in [0, 2**32 - 1]"
             ),
         )
         if self.logprobs is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCHMARKS = ("engine", "forward", "serve", "kvxfer", "allreduce", "decode", "eplb")
+BENCHMARKS = ("engine", "forward", "serve", "kvxfer", "allreduce", "decode", "eplb", "chaos")
 
 
 def register(commands: argparse._SubParsersAction) -> None:

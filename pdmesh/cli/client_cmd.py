@@ -30,6 +30,12 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--model", default="", help="model name (default: the deployment's only model)")
     g.add_argument("--timeout", type=float, default=60.0, help="seconds for the whole call")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="the gateway's API key (default: $PDMESH_API_KEY; the environment keeps it out of "
+        "the process list)",
+    )
     g.add_argument("--stream", action="store_true", help="print the text as it is generated")
     g.add_argument(
         "--json", action="store_true", help="print JSON (one object per chunk with --stream)"
@@ -63,7 +69,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from pdmesh_client import Client, GenerateError
 
     try:
-        with Client(args.address, timeout=args.timeout) as client:
+        with Client(args.address, timeout=args.timeout, api_key=args.api_key) as client:
             if args.stream:
                 _print_stream(client.stream(_prompt(args), **_settings(args)), args.json)
             else:

@@ -1,4 +1,8 @@
-"""`pdmesh up`: start a whole local mesh (Redis, kvstore, prefill and decode ranks, gateway)."""
+"""`pdmesh up`: start a whole local mesh (Redis, kvstore, prefill and decode ranks, gateway) and
+keep it up: a process that dies is restarted with the same options (same instance id and ports)
+after a backoff of 0.5 s doubling to 10 s (reset once it served for 60 s); a service restarted
+--max-restarts times within 10 minutes that dies again makes the launcher give up: it prints that
+service's last log lines and stops the whole mesh (exit 1)."""
 
 from __future__ import annotations
 
@@ -7,12 +11,14 @@ import os
 import signal
 import sys
 import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 
 from pdmesh.cli.options import resolve_model
+from pdmesh_service.supervision import RestartPolicy
 from pdmesh_service.worker.engine_options import add_engine_options, engine_argv
+
+API_KEY_ENV, MESH_TOKEN_ENV = "PDMESH_API_KEY", "PDMESH_MESH_TOKEN"
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -85,6 +91,19 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=RestartPolicy.max_restarts,
+        help="restarts per service within 10 minutes; past that the launcher gives up and stops "
+        "the mesh (exit 1). 0: any process that exits stops the mesh",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV, ""),
+        help=f"clients of the gateway must send it (Authorization: Bearer KEY); default: "
+        f"${API_KEY_ENV}. Passed to the gateway in its environment, never in its argv",
+    )
     add_engine_options(p)
     p.set_defaults(run=run)
 
@@ -122,6 +141,9 @@ def run(args: argparse.Namespace) -> int:
         dp_sync=args.dp_sync,
         max_prefill_inflight=args.max_prefill_inflight,
         eplb_args=eplb_argv(args),
+        restart_policy=RestartPolicy(max_restarts=args.max_restarts),
+        mesh_token=os.environ.get(MESH_TOKEN_ENV, ""),  # "": the launcher makes one
+        api_key=args.api_key,
     )
     if args.torch_threads is None:  # worker ranks share this machine's cores
         args.torch_threads = max(1, (os.cpu_count() or 1) // max(1, options.num_worker_processes))
@@ -132,19 +154,27 @@ def run(args: argparse.Namespace) -> int:
     mesh = Mesh(options)
     try:
         mesh.start(timeout_s=args.startup_timeout, progress=say)
+        mesh.start_supervisor()
         _print_ready(options)
-        while not mesh.failed():
-            time.sleep(0.5)
-        say(f"pdmesh up: {', '.join(mesh.failed())} exited; stopping the mesh")
-        for name in mesh.failed():
-            say(f"--- {name} ---\n{mesh.log_tail(name)}")
+        name = None
+        while name is None:  # short waits: Ctrl-C and SIGTERM get through
+            name = mesh.wait_gave_up(1.0)
+        say(f"pdmesh up: giving up on {name}; stopping the mesh\n--- {name} ---")
+        say(mesh.log_tail(name))
         return 1
     except KeyboardInterrupt:
         say("pdmesh up: stopping")
         return 0
     finally:
         mesh.stop()
-        say("pdmesh up: stopped")
+        say(f"pdmesh up: stopped; {restart_summary(mesh.restarts)}")
+
+
+def restart_summary(restarts: dict[str, int]) -> str:
+    """One line on what restarted during the run."""
+    if not restarts:
+        return "no restarts"
+    return "restarts: " + ", ".join(f"{name} {count}" for name, count in sorted(restarts.items()))
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -155,16 +185,25 @@ def _interrupt(signum: int, frame: object) -> None:
 def _print_ready(options) -> None:
     base = f"http://{options.host}:{options.http_port}"
     body = f'{{"model": "{options.model_dir.name}", "prompt": "Hello", "max_tokens": 16}}'
-    curl = f"curl -s {base}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
+    auth = f' -H "Authorization: Bearer ${API_KEY_ENV}"' if options.api_key else ""
+    curl = f"curl -s {base}/v1/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
+    key = "\n  API key      required (Authorization: Bearer <the key>)" if options.api_key else ""
+    restarts = options.restart_policy.max_restarts
+    supervision = (
+        f"a process that exits is restarted (at most {restarts} times per service in "
+        f"{options.restart_policy.window_s / 60:g} min)"
+        if restarts
+        else "a process that exits stops the mesh"
+    )
     print(
         f"""
 pdmesh is serving {options.model_dir.name}
   OpenAI API   {base}/v1
   gRPC (SDK)   {options.host}:{options.grpc_port}
   mesh view    {base}/mesh
-  metrics      {base}/metrics
+  metrics      {base}/metrics{key}
 try:
   {curl}
-Ctrl-C stops everything.""",
+{supervision}; Ctrl-C stops everything.""",
         flush=True,
     )

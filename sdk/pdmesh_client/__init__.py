@@ -18,6 +18,7 @@ from pdmesh_client.types import (
     ServiceUnavailable,
     Timeout,
     TokenLogprob,
+    Unauthenticated,
     Usage,
 )
 
@@ -33,6 +34,7 @@ __all__ = [
     "ServiceUnavailable",
     "Timeout",
     "TokenLogprob",
+    "Unauthenticated",
     "Usage",
 ]
 __version__ = "0.1.0"

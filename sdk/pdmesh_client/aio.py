@@ -18,6 +18,7 @@ from pdmesh_client.client import CHANNEL_OPTIONS, retry_policy
 from pdmesh_client.types import (
     Chunk,
     Completion,
+    auth_metadata,
     build_request,
     chunk_from_proto,
     completion_from_proto,
@@ -35,7 +36,9 @@ class AsyncClient:
         timeout: float | None = 60.0,
         max_retries: int = 3,
         backoff_s: float = 0.1,
+        api_key: str | None = None,
     ) -> None:
+        """Settings as `Client`'s (`api_key` None: $PDMESH_API_KEY, if set)."""
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
         self.address, self.timeout, self.max_retries, self.backoff_s = (
@@ -44,6 +47,7 @@ class AsyncClient:
             max_retries,
             backoff_s,
         )
+        self._metadata = auth_metadata(api_key)
         self._channel: grpc.aio.Channel | None = None  # made on first use, inside the running loop
         self._stub_: gateway_pb2_grpc.GenerateStub | None = None
 
@@ -98,7 +102,9 @@ class AsyncClient:
             model=model,
             request_id=request_id,
         )
-        reply = await self._retrying(lambda: self._stub.Generate(request, timeout=self.timeout))
+        reply = await self._retrying(
+            lambda: self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
+        )
         return completion_from_proto(reply)
 
     async def stream(
@@ -138,7 +144,7 @@ class AsyncClient:
         )
 
         async def open_stream() -> tuple[Any, Any]:
-            call = self._stub.GenerateStream(request, timeout=self.timeout)
+            call = self._stub.GenerateStream(request, timeout=self.timeout, metadata=self._metadata)
             return call, await call.read()
 
         call, msg = await self._retrying(open_stream)
@@ -153,7 +159,9 @@ class AsyncClient:
 
     async def models(self) -> list[str]:
         reply = await self._retrying(
-            lambda: self._stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=self.timeout)
+            lambda: self._stub.ListModels(
+                gateway_pb2.ListModelsRequest(), timeout=self.timeout, metadata=self._metadata
+            )
         )
         return list(reply.models)
 

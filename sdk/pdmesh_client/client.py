@@ -7,6 +7,10 @@
 
 Calls that fail UNAVAILABLE / RESOURCE_EXHAUSTED are retried with exponential backoff (up to
 `max_retries` more times); a stream is retried only while no chunk has been received.
+
+A gateway started with --api-key wants it on every call: `Client(address, api_key=KEY)` sends it
+(metadata `authorization: Bearer KEY`); without `api_key=` the client sends $PDMESH_API_KEY when
+that is set. A missing or wrong key fails with `Unauthenticated`.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_expo
 from pdmesh_client.types import (
     Chunk,
     Completion,
+    auth_metadata,
     build_request,
     chunk_from_proto,
     completion_from_proto,
@@ -53,8 +58,10 @@ class Client:
         timeout: float | None = 60.0,
         max_retries: int = 3,
         backoff_s: float = 0.1,
+        api_key: str | None = None,
     ) -> None:
-        """`timeout`: seconds per call (a stream's whole duration); None waits forever."""
+        """`timeout`: seconds per call (a stream's whole duration); None waits forever. `api_key`:
+        the gateway's API key (None: $PDMESH_API_KEY, if set)."""
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
         self.address, self.timeout, self.max_retries, self.backoff_s = (
@@ -63,6 +70,7 @@ class Client:
             max_retries,
             backoff_s,
         )
+        self._metadata = auth_metadata(api_key)
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = gateway_pb2_grpc.GenerateStub(self._channel)
 
@@ -111,7 +119,9 @@ class Client:
             model=model,
             request_id=request_id,
         )
-        reply = self._retrying(lambda: self._stub.Generate(request, timeout=self.timeout))
+        reply = self._retrying(
+            lambda: self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
+        )
         return completion_from_proto(reply)
 
     def stream(
@@ -152,7 +162,7 @@ class Client:
         )
 
         def open_stream() -> tuple[Any, gateway_pb2.GenerateChunk | None]:
-            call = self._stub.GenerateStream(request, timeout=self.timeout)
+            call = self._stub.GenerateStream(request, timeout=self.timeout, metadata=self._metadata)
             return call, next(call, None)
 
         call, first = self._retrying(open_stream)
@@ -169,7 +179,9 @@ class Client:
 
     def models(self) -> list[str]:
         reply = self._retrying(
-            lambda: self._stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=self.timeout)
+            lambda: self._stub.ListModels(
+                gateway_pb2.ListModelsRequest(), timeout=self.timeout, metadata=self._metadata
+            )
         )
         return list(reply.models)
 

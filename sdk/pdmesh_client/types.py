@@ -8,6 +8,7 @@ gateway's) reads as None, like FINISH_REASON_UNSPECIFIED.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -106,6 +107,11 @@ class Cancelled(GenerateError):
     """CANCELLED."""
 
 
+class Unauthenticated(GenerateError):
+    """UNAUTHENTICATED: the gateway wants an API key (`api_key=`, or PDMESH_API_KEY) and got none,
+    or a wrong one."""
+
+
 _ERRORS: dict[grpc.StatusCode, type[GenerateError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
     grpc.StatusCode.OUT_OF_RANGE: InvalidRequest,
@@ -115,6 +121,7 @@ _ERRORS: dict[grpc.StatusCode, type[GenerateError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: ServiceUnavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: Timeout,
     grpc.StatusCode.CANCELLED: Cancelled,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
 }
 RETRYABLE_CODES = frozenset({"UNAVAILABLE", "RESOURCE_EXHAUSTED"})
 
@@ -127,6 +134,15 @@ def error_from_rpc(error: grpc.RpcError) -> GenerateError:
 
 def is_retryable(error: BaseException) -> bool:
     return isinstance(error, GenerateError) and error.code in RETRYABLE_CODES
+
+
+API_KEY_ENV = "PDMESH_API_KEY"
+
+
+def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """The metadata that carries an API key (`api_key` None: $PDMESH_API_KEY; "" or unset: none)."""
+    key = (os.environ.get(API_KEY_ENV, "") if api_key is None else api_key).strip()
+    return (("authorization", f"Bearer {key}"),) if key else ()
 
 
 # ----- wire conversion -------------------------------------------------------------------------

@@ -80,6 +80,8 @@ def container_env(overlay: str, container: dict[str, Any]) -> dict[str, str]:
     for var in container.get("env", []):
         if "value" in var:
             env[var["name"]] = var["value"]
+        elif "secretKeyRef" in var["valueFrom"]:
+            env[var["name"]] = "secret-sample"
         else:
             env[var["name"]] = FIELD_SAMPLES[var["valueFrom"]["fieldRef"]["fieldPath"]]
     return env

@@ -90,3 +90,17 @@ def test_a_first_token_sampled_elsewhere_continues_the_one_engine_stream(model_d
     decode.runner.kv_caches[:, targets[:num_blocks]] = prefill.runner.kv_caches[:, sources]
     assert decode.kv_arrived("r", first[0]) is None
     assert first + run(decode)["r"] == expected
+
+
+@pytest.mark.parametrize("k", [1, 5])
+def test_a_migrated_request_continues_the_seeded_stream(engine: EngineCore, k: int) -> None:
+    """A request continued elsewhere after k tokens (prompt + those tokens, `prior_output_tokens`
+    k, the budget left) draws what the uninterrupted request would have drawn."""
+    engine.add_request(PROMPT, SEEDED, request_id=f"whole-{k}")
+    whole = run(engine)[f"whole-{k}"]
+    rest = dataclasses.replace(SEEDED, max_tokens=SEEDED.max_tokens - k, prior_output_tokens=k)
+    engine.add_request(PROMPT + whole[:k], rest, request_id=f"rest-{k}")
+    assert run(engine)[f"rest-{k}"] == whole[k:]
+    naive = dataclasses.replace(rest, prior_output_tokens=0)  # without it the stream restarts
+    engine.add_request(PROMPT + whole[:k], naive, request_id=f"naive-{k}")
+    assert run(engine)[f"naive-{k}"] != whole[k:]

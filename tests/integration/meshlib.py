@@ -31,6 +31,13 @@ def grpc_address(mesh: Mesh) -> str:
     return f"{mesh.options.host}:{mesh.options.grpc_port}"
 
 
+def mesh_metadata(mesh: Mesh) -> tuple[tuple[str, str], ...]:
+    """What an internal RPC to the mesh's services must carry (the token `pdmesh up` generated)."""
+    from pdmesh_service.grpc_server import MESH_TOKEN_METADATA
+
+    return ((MESH_TOKEN_METADATA, mesh.mesh_token),) if mesh.mesh_token else ()
+
+
 def worker_status(mesh: Mesh, role: str) -> list:
     """Status of every rank of a role, with the KV pool's integrity check run."""
     from pdmesh_proto.common.v1 import common_pb2
@@ -45,7 +52,9 @@ def worker_status(mesh: Mesh, role: str) -> list:
         with grpc.insecure_channel(address) as channel:
             statuses.append(
                 stub_class(channel).Status(
-                    common_pb2.StatusRequest(check_integrity=True), timeout=30
+                    common_pb2.StatusRequest(check_integrity=True),
+                    timeout=30,
+                    metadata=mesh_metadata(mesh),
                 )
             )
     return statuses

@@ -22,7 +22,7 @@ import grpc
 import pytest
 import redis.asyncio as aioredis
 from meshlib import WORKER_ARGS as SMALL_POOLS
-from meshlib import http_url
+from meshlib import http_url, mesh_metadata
 from openai import OpenAI
 
 from pdmesh.launcher import Mesh, MeshOptions
@@ -77,6 +77,7 @@ def start_controller(mesh: Mesh) -> subprocess.Popen:
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
+        env=mesh.environment(spec),  # the Redis URL and the mesh token
     )
     log.close()
     mesh.processes[spec.name] = process
@@ -238,7 +239,9 @@ def rebalance_until_next(mesh: Mesh, traffic: Traffic, version: int) -> None:
         try:
             with grpc.insecure_channel(spec.grpc_address) as channel:
                 request = eplb_pb2.RebalanceRequest(instance=INSTANCE, model=MODEL, force=True)
-                eplb_pb2_grpc.EplbStub(channel).Rebalance(request, timeout=5)
+                eplb_pb2_grpc.EplbStub(channel).Rebalance(
+                    request, timeout=5, metadata=mesh_metadata(mesh)
+                )
         except grpc.RpcError:
             pass  # not serving yet
         return published_version(mesh) > version

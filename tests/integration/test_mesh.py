@@ -14,7 +14,7 @@ import time
 import grpc
 import httpx
 import pytest
-from meshlib import grpc_address, http_url, wait_idle, worker_status
+from meshlib import grpc_address, http_url, mesh_metadata, wait_idle, worker_status
 from openai import OpenAI
 
 PROMPTS = [
@@ -235,6 +235,7 @@ def test_reservation_lease_expires_and_returns_blocks(disagg_mesh):
                 lease_ms=300,
             ),
             timeout=30,
+            metadata=mesh_metadata(disagg_mesh),
         )
     assert len(reply.target.block_ids) == 5  # 40 tokens in blocks of 8
     time.sleep(1.0)

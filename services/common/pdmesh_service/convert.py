@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 FINISH_REASON_PREFIX = "FINISH_REASON_"
 _INT64_WRAP = 1 << 64
+_FLOAT32_LEAST = 2.0**-149  # the least positive float32 (subnormal)
 
 
 def finish_reason_names(values: Sequence[tuple[str, int]]) -> dict[int, str | None]:
@@ -94,7 +95,11 @@ def sampling_values_from_pb(pb: common_pb2.SamplingParams) -> dict[str, Any]:
 
 
 def _wire_scalar(field: FieldDescriptor, value: Any) -> Any:
-    """int64 fields take uint64 values two's-complement wrapped (seeds up to 2**64 - 1)."""
+    """int64 fields take uint64 values two's-complement wrapped (seeds up to 2**64 - 1); a positive
+    value of a float field stays positive (top_p=1e-50 would round to float32 0, which the receiver
+    refuses; the least float32 keeps the same single token)."""
+    if field.type == FieldDescriptor.TYPE_FLOAT and isinstance(value, float):
+        return _FLOAT32_LEAST if 0 < value < _FLOAT32_LEAST else value
     if (
         field.type
         in (FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_SINT64, FieldDescriptor.TYPE_SFIXED64)

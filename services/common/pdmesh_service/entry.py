@@ -30,7 +30,9 @@ def serve_main(role: str, server: ModuleType, argv: list[str] | None = None) -> 
     """Parse `argv` with the role's own options and serve until SIGINT/SIGTERM; returns the exit
     code."""
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog=f"pdmesh serve {role}")
+    # No abbreviations: `--mesh-token SECRET` must not pass for --mesh-token-file and put the
+    # secret in an error message; a typo is an error, never a different option.
+    parser = argparse.ArgumentParser(prog=f"pdmesh serve {role}", allow_abbrev=False)
     server.add_arguments(parser)
     options = parser.parse_args(argv)
     try:

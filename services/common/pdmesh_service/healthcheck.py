@@ -4,14 +4,18 @@ One gRPC health check: exit status 0 when the standard health service (grpc.heal
 answers SERVING for NAME (e.g. `pdmesh.kvstore.v1.KVStore`; "" asks about the server as a whole),
 else 1 with one line on stderr saying why (NOT_SERVING, unknown service, unreachable, timed out).
 Argument errors exit 2. What container HEALTHCHECKs and Kubernetes exec probes run: one channel,
-no more imported than grpc and the health stubs, so a probe stays cheap.
+no more imported than grpc and the health stubs, so a probe stays cheap. A service with mTLS asks
+every client for a certificate, probes too: `--tls-cert/--tls-key/--tls-ca` (defaults: the
+service's own PDMESH_TLS_CERT, PDMESH_TLS_KEY, PDMESH_TLS_CA) make the check over TLS.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -25,12 +29,22 @@ class HealthResult:
     reason: str  # one line: the status, or why there is none
 
 
-def check(address: str, service: str, timeout_s: float) -> HealthResult:
-    """Ask `address` once, giving up after `timeout_s` (connecting included)."""
+def _channel(address: str, tls: tuple[str, str, str] | None) -> grpc.Channel:
+    if tls is None:
+        return grpc.insecure_channel(address)
+    cert, key, ca = (Path(path).read_bytes() for path in tls)
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(ca, key, cert))
+
+
+def check(
+    address: str, service: str, timeout_s: float, tls: tuple[str, str, str] | None = None
+) -> HealthResult:
+    """Ask `address` once, giving up after `timeout_s` (connecting included); `tls`: the PEM files
+    (certificate, key, CA) of an mTLS check."""
     if timeout_s <= 0:
         raise ValueError(f"timeout must be positive, got {timeout_s}")
     where = f"{address} {service!r}"
-    with grpc.insecure_channel(address) as channel:
+    with _channel(address, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             request = health_pb2.HealthCheckRequest(service=service)
@@ -56,10 +70,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
     parser.add_argument("--quiet", action="store_true", help="print nothing when SERVING")
+    for flag in ("--tls-cert", "--tls-key", "--tls-ca"):
+        env = "PDMESH_" + flag.removeprefix("--").replace("-", "_").upper()
+        parser.add_argument(flag, metavar="PEM", default=os.environ.get(env, ""), help=f"${env}")
     args = parser.parse_args(argv)
     if args.timeout <= 0:
         parser.error(f"--timeout must be positive, got {args.timeout}")
-    result = check(args.address, args.service, args.timeout)
+    files = (args.tls_cert, args.tls_key, args.tls_ca)
+    if any(files) and not all(files):
+        parser.error("mTLS takes --tls-cert, --tls-key and --tls-ca together")
+    try:
+        result = check(args.address, args.service, args.timeout, files if all(files) else None)
+    except OSError as e:
+        print(f"unhealthy: cannot read the TLS files: {e}", file=sys.stderr)
+        return 1
     if not result.is_serving:
         print(f"unhealthy: {result.reason}", file=sys.stderr)
         return 1

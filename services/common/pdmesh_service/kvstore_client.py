@@ -34,7 +34,7 @@ from pdmesh_service.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from pdmesh_service.grpc_server import channel, request_metadata
+from pdmesh_service.grpc_server import NO_AUTH, MeshAuth, channel, request_metadata
 from pdmesh_service.handoff import (
     AlreadyFinal,
     Elsewhere,
@@ -76,9 +76,16 @@ def domain_error(error: grpc.aio.AioRpcError) -> MeshError:
 
 
 class KVStoreClient:
-    def __init__(self, address: str, timeout_s: float = 5.0, agent_cache_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float = 5.0,
+        agent_cache_s: float = 30.0,
+        auth: MeshAuth = NO_AUTH,
+    ) -> None:
+        """`auth`: the process's mesh credentials (`grpc_server.MeshAuth`), sent with every call."""
         self.address, self.timeout_s, self.agent_cache_s = address, timeout_s, agent_cache_s
-        self._channel = channel(address)
+        self._channel = channel(address, auth)
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
         # name -> (monotonic time fetched, metadata)
         self._agents: dict[str, tuple[float, bytes]] = {}

@@ -2,6 +2,10 @@
 
 A service's `server.py` defines `add_arguments(parser)`, `config_from_args(args)` and
 `async serve(config, ready: asyncio.Event | None)`; `pdmesh serve ROLE` and the launcher call them.
+
+Secrets: the mesh token comes from `--mesh-token-file` or the environment (PDMESH_MESH_TOKEN), never
+from a flag's value (argv is visible to every user of the host); `CommonConfig`'s repr leaves it out
+and shows the Redis URL through `redacted_url`, so a logged config leaks neither.
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ import os
 import signal
 import socket
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from prometheus_client import start_http_server
 
@@ -28,6 +34,48 @@ class ServiceStopped(Exception):
 
 
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+MASK = "***"
+# Query parameters of a URL that carry credentials (redis-py takes `password` and `username` there).
+SECRET_QUERY_KEYS = frozenset({"password", "username"})
+MESH_TOKEN_ENV = "PDMESH_MESH_TOKEN"
+
+
+def redacted_url(url: str) -> str:
+    """`url` fit to print: its user and password become `***` (redis://***@host:port/0), as do
+    credentials in its query; a URL that does not parse is masked whole."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return MASK
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = f"{MASK}@{netloc.rpartition('@')[2]}"
+    query = parts.query
+    pairs = parse_qsl(query, keep_blank_values=True)
+    if any(key.lower() in SECRET_QUERY_KEYS for key, _ in pairs):
+        masked = [(k, MASK if k.lower() in SECRET_QUERY_KEYS else v) for k, v in pairs]
+        query = urlencode(masked, safe="*")
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+def read_secret_file(path: str, what: str) -> str:
+    """The secret in file `path`, stripped; ValueError when it cannot be read or is empty (the
+    message names the file, never its content)."""
+    try:
+        secret = Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {what} from {path}: {type(e).__name__}") from None
+    if not secret:
+        raise ValueError(f"{what} file {path} is empty")
+    return secret
+
+
+def check_metadata_secret(secret: str, what: str) -> str:
+    """`secret`, when it can travel as an ASCII gRPC metadata or HTTP header value (printable ASCII,
+    no spaces); else ValueError."""
+    if not all("!" <= ch <= "~" for ch in secret):
+        raise ValueError(f"{what} must be printable ASCII without spaces")
+    return secret
 
 
 @dataclass(frozen=True)
@@ -41,6 +89,12 @@ class CommonConfig:
     metrics_port: int | None = None  # Prometheus endpoint; None: no separate endpoint
     heartbeat_s: float = 1.0
     log_level: str = "INFO"
+    # Internal RPCs must carry it (gRPC metadata x-pdmesh-mesh-token); "": none asked, none sent.
+    mesh_token: str = field(default="", repr=False)
+    # PEM files; all three: mTLS on this service's gRPC server and on its channels to the mesh.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -48,7 +102,32 @@ class CommonConfig:
         if self.heartbeat_s <= 0:
             raise ValueError(f"--heartbeat-s must be positive, got {self.heartbeat_s}")
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"--redis-url must be a redis:// URL, got {self.redis_url!r}")
+            raise ValueError(
+                f"--redis-url must be a redis:// URL, got {redacted_url(self.redis_url)!r}"
+            )
+        if self.mesh_token:
+            check_metadata_secret(self.mesh_token, "the mesh token")
+        self._check_tls()
+
+    def _check_tls(self) -> None:
+        files = {"--tls-cert": self.tls_cert, "--tls-key": self.tls_key, "--tls-ca": self.tls_ca}
+        given = [flag for flag, path in files.items() if path]
+        if given and len(given) != len(files):
+            missing = sorted(set(files) - set(given))
+            raise ValueError(f"mTLS takes --tls-cert, --tls-key and --tls-ca together: {missing}")
+        for flag, path in files.items():
+            if path and not Path(path).is_file():
+                raise ValueError(f"{flag}: no such file {path}")
+
+    @property
+    def has_tls(self) -> bool:
+        return bool(self.tls_cert)
+
+    def __repr__(self) -> str:
+        """The generated repr, less the mesh token and the Redis URL's credentials."""
+        shown = {f.name: getattr(self, f.name) for f in fields(self) if f.repr}
+        shown["redis_url"] = redacted_url(self.redis_url)
+        return f"CommonConfig({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
     def address(self, port: int) -> str:
         """Where others reach this service: --advertise-host, else --host; bound to every interface
@@ -110,9 +189,46 @@ def add_common_arguments(
     )
     g.add_argument("--heartbeat-s", type=float, default=default("--heartbeat-s", 1.0))
     g.add_argument("--log-level", default=default("--log-level", "INFO"))
+    _add_security_arguments(p, default)
 
 
-def common_from_args(args: argparse.Namespace) -> CommonConfig:
+def _add_security_arguments(p: argparse.ArgumentParser, default: Callable[[str, Any], Any]) -> None:
+    g = p.add_argument_group(
+        "mesh security (the mesh token itself: a file, or the PDMESH_MESH_TOKEN environment "
+        "variable; never a flag's value)"
+    )
+    g.add_argument(
+        "--mesh-token-file",
+        metavar="PATH",
+        default=default("--mesh-token-file", ""),
+        help="file holding the token internal RPCs must carry (wins over PDMESH_MESH_TOKEN)",
+    )
+    for flag, what in (
+        ("--tls-cert", "this service's certificate"),
+        ("--tls-key", "its private key"),
+        ("--tls-ca", "the CA that signs the mesh's certificates"),
+    ):
+        g.add_argument(
+            flag,
+            metavar="PEM",
+            default=default(flag, ""),
+            help=f"mTLS: {what} (give all three)",
+        )
+
+
+def mesh_token_from(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> str:
+    """The mesh token: the content of --mesh-token-file, else $PDMESH_MESH_TOKEN (stripped), else
+    "" (no token)."""
+    if args.mesh_token_file:
+        return read_secret_file(args.mesh_token_file, "the mesh token")
+    env = os.environ if environ is None else environ
+    return env.get(MESH_TOKEN_ENV, "").strip()
+
+
+def common_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> CommonConfig:
+    """The validated options (ValueError); the mesh token is read here (`mesh_token_from`)."""
     return CommonConfig(
         host=args.host,
         port=args.port,
@@ -123,6 +239,10 @@ def common_from_args(args: argparse.Namespace) -> CommonConfig:
         metrics_port=args.metrics_port,
         heartbeat_s=args.heartbeat_s,
         log_level=args.log_level,
+        mesh_token=mesh_token_from(args, environ),
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_ca=args.tls_ca,
     )
 
 
@@ -130,6 +250,14 @@ def run_service(name: str, common: CommonConfig, main: Callable[[], Awaitable[No
     """Run a service's `main()` until it returns or SIGINT/SIGTERM arrives (then cancel it cleanly);
     0, or 1 when `main()` raised `ServiceStopped`."""
     configure_logging(name, common.log_level)
+    log.info(
+        "starting",
+        service=name,
+        redis=redacted_url(common.redis_url),
+        deployment=common.deployment,
+        mesh_token=bool(common.mesh_token),
+        tls=common.has_tls,
+    )
     if common.metrics_port is not None:
         start_http_server(common.metrics_port, addr=common.host)
 

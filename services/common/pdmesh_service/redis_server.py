@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import random
+import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from pdmesh_service.options import redacted_url
+from pdmesh_service.process import die_with_parent
 
 
 def find_redis_server() -> str:
@@ -86,49 +93,94 @@ class PortPicker:
 
 
 class EmbeddedRedis:
-    """Start with `start()`, stop with `stop()` (or use as a context manager)."""
+    """A private `redis-server`: start with `start()`, stop with `stop()` (or use as a context
+    manager). It requires a password (random unless given; `password=""`: none), kept out of its
+    argv (a config file in its private 0700 folder), and dies with the process that started it
+    (SIGTERM, PR_SET_PDEATHSIG: that thread, in fact). `url` carries the password; `display_url`
+    does not (what may be printed). After it died, `spawn()` starts it again on the same port with
+    the same password (its data is gone) and `is_ready()` tells when it answers."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int | None = None) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        password: str | None = None,
+        log_path: Path | None = None,
+    ) -> None:
         self.host, self.port = host, port or free_port(host)
+        self.password = secrets.token_urlsafe(24) if password is None else password
+        self.log_path = log_path  # its stdout and stderr (None: kept for the start error only)
         self.process: subprocess.Popen[bytes] | None = None
         self._dir = tempfile.TemporaryDirectory(prefix="pdmesh-redis-")
 
+    def __repr__(self) -> str:
+        return f"EmbeddedRedis({self.display_url})"
+
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
+
+    @property
+    def display_url(self) -> str:
+        return redacted_url(self.url)
+
+    def _config(self) -> str:
+        """The config file's path: every setting, the password too (never on the command line)."""
+        lines = [
+            f"bind {self.host}",
+            f"port {self.port}",
+            'save ""',
+            "appendonly no",
+            f"dir {self._dir.name}",
+            "protected-mode no",
+            "loglevel warning",
+        ]
+        if self.password:
+            lines.append(f"requirepass {self.password}")
+        path = Path(self._dir.name) / "redis.conf"
+        path.touch(mode=0o600)
+        path.write_text("\n".join(lines) + "\n")
+        return str(path)
+
+    def spawn(self) -> subprocess.Popen[bytes]:
+        """Start the server process (again) without waiting for it; `is_ready()` tells when it
+        answers."""
+        if self.log_path is not None:
+            with open(self.log_path, "ab") as log:
+                self.process = _spawn([find_redis_server(), self._config()], log, log)
+        else:
+            self.process = _spawn(
+                [find_redis_server(), self._config()], subprocess.DEVNULL, subprocess.PIPE
+            )
+        return self.process
+
+    def is_ready(self, timeout_s: float = 0.2) -> bool:
+        """One authenticated PING (at most `timeout_s` per socket operation): whether it answers."""
+        auth = f"AUTH {self.password}\r\n".encode() if self.password else b""
+        try:
+            with socket.create_connection((self.host, self.port), timeout=timeout_s) as s:
+                s.sendall(auth + b"PING\r\n")
+                reply = b""
+                while b"PONG" not in reply and b"-" not in reply:
+                    chunk = s.recv(64)
+                    if not chunk:
+                        break
+                    reply += chunk
+                return b"+PONG" in reply
+        except OSError:
+            return False
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
-        args = [
-            find_redis_server(),
-            "--bind",
-            self.host,
-            "--port",
-            str(self.port),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            self._dir.name,
-            "--protected-mode",
-            "no",
-            "--loglevel",
-            "warning",
-        ]
-        process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        self.process = process
+        process = self.spawn()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 stderr = process.stderr.read() if process.stderr is not None else b""
                 raise RuntimeError(f"redis-server exited: {stderr.decode(errors='replace')}")
-            try:
-                with socket.create_connection((self.host, self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return self
-            except OSError:
-                time.sleep(0.05)
+            if self.is_ready():
+                return self
+            time.sleep(0.05)
         self.stop()
         raise TimeoutError(
             f"redis-server did not answer on {self.host}:{self.port} within {timeout_s}s"
@@ -149,3 +201,16 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _spawn(argv: list[str], stdout: Any, stderr: Any) -> subprocess.Popen[bytes]:
+    """redis-server in its own process group (a terminal's Ctrl-C is for its parent, which stops
+    it), ending with its parent."""
+    return subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=stdout,
+        stderr=stderr,
+        process_group=0,
+        preexec_fn=die_with_parent(signal.SIGTERM),
+    )

@@ -19,7 +19,7 @@ from pdmesh_eplb.controller import Policy
 from pdmesh_eplb.metrics import default_metrics
 from pdmesh_eplb.servicer import EplbServicer
 from pdmesh_proto.eplb.v1 import eplb_pb2_grpc
-from pdmesh_service.grpc_server import start_grpc_server
+from pdmesh_service.grpc_server import MeshAuth, start_grpc_server
 from pdmesh_service.logging import get_logger
 from pdmesh_service.options import CommonConfig, add_common_arguments, common_from_args
 from pdmesh_service.registry import InstanceInfo, Registry, Role, connect, stay_registered
@@ -122,6 +122,7 @@ async def serve(config: EplbConfig, ready: asyncio.Event | None = None) -> None:
             common.port,
             [lambda s: eplb_pb2_grpc.add_EplbServicer_to_server(servicer, s)],
             [SERVICE_NAME],
+            auth=MeshAuth.from_config(common),
         )
         stack.push_async_callback(server.stop)
         instance_id = servicer.instance_id = common.instance(ROLE, server.port)

@@ -48,6 +48,16 @@ class GatewayMetrics:
             "slot or for decode KV blocks), part of the in-flight ones",
             registry=registry,
         )
+        self.migrations = Counter(
+            "pdmesh_gateway_migrations",
+            "Requests continued on another decode rank after theirs failed mid-stream",
+            registry=registry,
+        )
+        self.retries = Counter(
+            "pdmesh_gateway_retries",
+            "Request starts tried again before the first token (a failed rank, a lost hand-off)",
+            registry=registry,
+        )
         self.prompt_tokens = Counter("pdmesh_prompt_tokens", "Prompt tokens", registry=registry)
         self.generation_tokens = Counter(
             "pdmesh_generation_tokens", "Generated tokens", registry=registry

@@ -3,8 +3,11 @@
 
 Accepted extras (as vLLM): top_k, min_p, min_tokens, stop_token_ids, ignore_eos,
 include_stop_str_in_output, skip_special_tokens, add_generation_prompt (chat). Features the mesh
-does not implement (n > 1, echo, suffix, penalties, logit_bias, tools, structured output) are
-rejected with a 400 naming the field rather than silently ignored.
+does not implement and that would change the output (n > 1, echo, suffix, penalties, logit_bias,
+tools, structured output, beam search, ...: `UNSUPPORTED_COMPLETION` / `UNSUPPORTED_CHAT`) are
+rejected with a 400 naming the field rather than silently ignored. Other fields (OpenAI's `user`,
+`metadata`, `store`, ..., or any unknown name) are accepted and ignored. These tables are what the
+OpenAPI document (`openapi`) publishes.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from typing import Any
 
 from pdmesh_engine.tokenizer import Tokenizer
 from pdmesh_gateway.core import (
-    SAMPLING_FIELDS,
     GenerationEvent,
     GenerationRequest,
     GenerationResult,
@@ -29,25 +31,64 @@ from pdmesh_gateway.core import (
 )
 from pdmesh_service.errors import MeshError
 
-# Body fields read as sampling settings under the engine's names; max_tokens and logprobs have their
-# own rules per endpoint (max_completion_tokens, chat's logprobs/top_logprobs).
-_BODY_SAMPLING = tuple(name for name in SAMPLING_FIELDS if name not in ("max_tokens", "logprobs"))
-# field -> the only values accepted (None always is): features we do not implement.
-_UNSUPPORTED = {
+# Body fields read as engine sampling settings under the engine's names (the public subset of
+# SAMPLING_FIELDS); max_tokens and logprobs have their own rules per endpoint
+# (max_completion_tokens, chat's logprobs/top_logprobs).
+SAMPLING_BODY_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+)
+# field -> the only values accepted besides null: features the mesh does not implement (OpenAI's and
+# vLLM's) that would change the output. A value passes when it equals one of them as JSON does
+# (1 == 1.0, but true is not 1).
+_UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
     "n": (1,),
     "best_of": (1,),
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "repetition_penalty": (1,),
+    "length_penalty": (1,),
+    "logit_bias": ({},),
+    "response_format": ({"type": "text"},),
+    "use_beam_search": (False,),
+    "prompt_logprobs": (),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "truncate_prompt_tokens": (),
+    "structured_outputs": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+}
+UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {
+    **_UNSUPPORTED_COMMON,
     "echo": (False,),
     "suffix": ("",),
-    "frequency_penalty": (0, 0.0),
-    "presence_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0),
-    "logit_bias": ({},),
-    "tools": ([],),
-    "functions": ([],),
-    "tool_choice": ("none",),
-    "response_format": ({"type": "text"},),
 }
-_CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
+    **_UNSUPPORTED_COMMON,
+    "echo": (False,),
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),  # with no tools both mean plain text
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "audio": (),
+    "modalities": (["text"],),
+    "web_search_options": (),
+    "continue_final_message": (False,),
+    "chat_template": (),
+}
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
@@ -69,14 +110,36 @@ def _object(body: Any) -> Mapping[str, Any]:
     return body
 
 
-def _check_unsupported(body: Mapping[str, Any]) -> None:
-    for name, allowed in _UNSUPPORTED.items():
+def json_equal(a: Any, b: Any) -> bool:
+    """Equality as JSON values compare: numbers by value (1 == 1.0), but a bool only equals a bool
+    (Python's True == 1 does not hold in JSON); lists and objects item by item."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a is b
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(json_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(json_equal(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, (Mapping, list)) or isinstance(b, (Mapping, list)):
+        return False
+    return bool(a == b)
+
+
+def _check_unsupported(body: Mapping[str, Any], table: Mapping[str, tuple[Any, ...]]) -> None:
+    for name, allowed in table.items():
         value = body.get(name)
-        if value is not None and not any(value == a and type(value) is type(a) for a in allowed):
-            shown = " or ".join(repr(a) for a in allowed)
+        if value is not None and not any(json_equal(value, a) for a in allowed):
+            shown = "".join(f"{a!r} or " for a in allowed)
+            given = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
             raise invalid(
-                name, f"{name}={value!r} is not supported by this server (only {shown} or null)"
+                name, f"{name}={given} is not supported by this server (only {shown}null)"
             )
+
+
+def _check_ignored(body: Mapping[str, Any]) -> None:
+    """Fields read only to be ignored still have their OpenAI type."""
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise invalid("user", f"user must be a string, got {type(user).__name__}")
 
 
 def _stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool]:
@@ -121,10 +184,11 @@ def parse_completion(body: Any, tokenizer: Tokenizer, model: ModelInfo) -> OpenA
     """A validated /v1/completions request."""
     body = _object(body)
     model_name = model.resolve(body.get("model"))
-    _check_unsupported(body)
+    _check_unsupported(body, UNSUPPORTED_COMPLETION)
+    _check_ignored(body)
     stream, include_usage = _stream_flags(body)
     ids = _completion_prompt(body.get("prompt"), tokenizer)
-    values = {k: body.get(k) for k in _BODY_SAMPLING}
+    values = {k: body.get(k) for k in SAMPLING_BODY_FIELDS}
     values["max_tokens"], values["logprobs"] = body.get("max_tokens"), body.get("logprobs")
     request = build_request(
         new_request_id("cmpl"), ids, values, model, model_name, default_max_tokens=16
@@ -177,9 +241,9 @@ def _messages(messages: Any) -> list[dict[str, str]]:
                 f"messages[{i}]", f"each message must be an object, got {type(m).__name__}"
             )
         role = m.get("role")
-        if role not in _CHAT_ROLES:
+        if role not in CHAT_ROLES:
             raise invalid(
-                f"messages[{i}].role", f"role must be one of {', '.join(_CHAT_ROLES)}, got {role!r}"
+                f"messages[{i}].role", f"role must be one of {', '.join(CHAT_ROLES)}, got {role!r}"
             )
         role = "system" if role == "developer" else role
         result.append({"role": role, "content": _message_content(m.get("content"), role, i)})
@@ -200,10 +264,12 @@ def parse_chat(body: Any, tokenizer: Tokenizer, model: ModelInfo) -> OpenAIReque
     template)."""
     body = _object(body)
     model_name = model.resolve(body.get("model"))
-    _check_unsupported(body)
+    _check_unsupported(body, UNSUPPORTED_CHAT)
+    _check_ignored(body)
     stream, include_usage = _stream_flags(body)
     messages = _messages(body.get("messages"))
-    add_prompt = body.get("add_generation_prompt", True)
+    add_prompt = body.get("add_generation_prompt")
+    add_prompt = True if add_prompt is None else add_prompt
     if not isinstance(add_prompt, bool):
         raise invalid(
             "add_generation_prompt",
@@ -216,7 +282,7 @@ def parse_chat(body: Any, tokenizer: Tokenizer, model: ModelInfo) -> OpenAIReque
     max_name = (
         "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     )
-    values = {k: body.get(k) for k in _BODY_SAMPLING}
+    values = {k: body.get(k) for k in SAMPLING_BODY_FIELDS}
     values["max_tokens"], values["logprobs"] = body.get(max_name), _chat_logprobs(body)
     request = build_request(
         new_request_id("chatcmpl"),

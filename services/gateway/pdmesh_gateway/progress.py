@@ -2,7 +2,9 @@
 
 `RequestProgress.event(chunk)` applies stop strings (`TextStream`) and detokenizes, counts tokens
 and keeps the timings the metrics need. Contract: once an event carried a finish_reason, `finished`
-is set and later chunks are not expected (the orchestrator stops reading).
+is set and later chunks are not expected (the orchestrator stops reading). `output_ids` are the
+tokens taken so far (a migrated request continues after them); the chunks of a continuation are fed
+to the same progress, so usage counts the original prompt and every token once.
 """
 
 from __future__ import annotations
@@ -31,9 +33,19 @@ class RequestProgress:
         )
         self.request = request
         self.text = TextStream(detokenizer, params.stop, params.include_stop_str_in_output)
-        self.num_tokens, self.num_cached_tokens = 0, 0
+        self.output_ids: list[int] = []
+        self.num_cached_tokens = 0
+        self.num_migrations = 0
         self.started_at, self.first_token_at, self.ended_at = time.monotonic(), 0.0, 0.0
         self.finished = False
+
+    def migrated(self) -> None:
+        """The request goes on on another decode rank (chunks of its continuation follow)."""
+        self.num_migrations += 1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.output_ids)
 
     def event(self, chunk: WorkerChunk) -> GenerationEvent | None:
         """The event for one chunk (None if it carries nothing to tell)."""
@@ -48,8 +60,12 @@ class RequestProgress:
             if wants_logprobs and k < len(chunk.logprobs):
                 logprobs.append(chunk.logprobs[k])
             text += self.text.push([token_id])
-        self.num_tokens += len(token_ids)
-        self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
+        self.output_ids += token_ids
+        num_prompt_tokens = len(self.request.prompt_ids)
+        if not self.num_migrations:  # a continuation's cache hits are its own re-prefill's
+            self.num_cached_tokens = min(
+                max(self.num_cached_tokens, chunk.num_cached_tokens), num_prompt_tokens
+            )
         if token_ids and not self.first_token_at:
             self.first_token_at = time.monotonic()
         if self.text.stop_hit is None and chunk.finish_reason is None:
@@ -64,7 +80,6 @@ class RequestProgress:
         else:
             finish = chunk.finish_reason
             stop_reason = (chunk.stop_token_id or None) if finish == "stop" else None
-        num_prompt_tokens = chunk.num_prompt_tokens or len(self.request.prompt_ids)
         usage = Usage(num_prompt_tokens, self.num_tokens, self.num_cached_tokens)
         self.finished, self.ended_at = True, time.monotonic()
         return GenerationEvent(tuple(token_ids), text, tuple(logprobs), finish, stop_reason, usage)

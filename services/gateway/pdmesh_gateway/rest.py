@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pdmesh_engine.tokenizer import Tokenizer
+from pdmesh_gateway.auth import ApiKeyMiddleware
 from pdmesh_gateway.core import GenerationEvent, GenerationResult, ModelInfo
 from pdmesh_gateway.openai_api import (
     OpenAIRequest,
@@ -34,11 +35,13 @@ from pdmesh_gateway.openai_api import (
     parse_chat,
     parse_completion,
 )
-from pdmesh_gateway.orchestrator import Orchestrator
+from pdmesh_gateway.openapi import build_openapi
+from pdmesh_gateway.orchestrator import Mode, Orchestrator
+from pdmesh_gateway.router import health
 from pdmesh_service.eplb_protocol import summarize_all
 from pdmesh_service.errors import InvalidArgument, MeshError, PayloadTooLarge
-from pdmesh_service.instance import Role
 from pdmesh_service.logging import get_logger
+from pdmesh_service.supervision import read_restarts
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -61,6 +64,18 @@ def eplb_view(redis: aioredis.Redis, deployment: str) -> EplbView:
         return [s.to_dict() for s in await summarize_all(redis, deployment, default_enabled=None)]
 
     return rows
+
+
+RestartsView = Callable[[], Awaitable[dict[str, dict[str, Any]]]]
+
+
+def restarts_view(redis: aioredis.Redis, deployment: str) -> RestartsView:
+    """The restarts of `deployment`'s services, as their supervisor (`pdmesh up`) records them."""
+
+    async def records() -> dict[str, dict[str, Any]]:
+        return await read_restarts(redis, deployment)
+
+    return records
 
 
 class ClientGone(Exception):
@@ -92,7 +107,7 @@ async def _read_json(request: Request, max_bytes: int) -> Any:
         chunks.append(chunk)
     try:
         body = json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:  # bad JSON or UTF-8, an integer past the digit limit of int()
         raise InvalidArgument(f"the request body is not valid JSON: {e}") from None
     except RecursionError:
         raise InvalidArgument("the request body is nested too deeply") from None
@@ -190,6 +205,7 @@ class _Handlers:
         registry: CollectorRegistry,
         eplb: EplbView | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        restarts: RestartsView | None = None,
     ) -> None:
         self.orchestrator, self.tokenizer, self.model, self.registry = (
             orchestrator,
@@ -197,7 +213,7 @@ class _Handlers:
             model,
             registry,
         )
-        self.eplb, self.max_body_bytes = eplb, max_body_bytes
+        self.eplb, self.max_body_bytes, self.restarts = eplb, max_body_bytes, restarts
 
     async def _generate(
         self, request: Request, parse: Callable[[Any, Tokenizer, ModelInfo], OpenAIRequest]
@@ -241,29 +257,38 @@ class _Handlers:
         return JSONResponse(models_response(self.model))
 
     async def health(self, _: Request) -> Response:
-        """200 when a request can be routed now (a ready decode rank), else 503."""
-        router, ok = self.orchestrator.router, self.orchestrator.is_routable()
-        body = {
-            "status": "ok" if ok else "unavailable",
-            "mode": self.orchestrator.mode.value,
-            "decode": len(router.ready(Role.DECODE)),
-            "prefill": len(router.ready(Role.PREFILL)),
-        }
-        return JSONResponse(body, status_code=200 if ok else 503)
+        """200 when requests can be served ("ok", or "degraded" with the problems listed: Redis
+        unreachable, no kvstore or prefill rank), 503 when not ("unavailable": no decode rank)."""
+        orchestrator = self.orchestrator
+        status, checks = health(orchestrator.router, orchestrator.mode is Mode.DISAGG)
+        body = {"status": status, "mode": orchestrator.mode.value, **checks}
+        return JSONResponse(body, status_code=503 if status == "unavailable" else 200)
 
     async def metrics(self, _: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def mesh(self, _: Request) -> Response:
         """`instances`: every registered instance rank with its role, rank, address, readiness and
-        load; `eplb`: what /mesh/eplb lists (expert placements per instance and model)."""
+        load; `eplb`: what /mesh/eplb lists (expert placements per instance and model); `restarts`:
+        per service that its supervisor restarted, how often, its last exit code and when (null
+        while Redis cannot be read)."""
         now_ms = int(time.time() * 1000)
         instances = [
             {**asdict(i), "age_ms": max(now_ms - i.updated_ms, 0)}
             for i in self.orchestrator.router.snapshot()
         ]
+        restarts: dict[str, dict[str, Any]] | None = {}
+        if self.restarts is not None:
+            try:
+                restarts = await self.restarts()
+            except (aioredis.RedisError, OSError):
+                restarts = None
         return JSONResponse(
-            {"instances": instances, "eplb": await self.eplb() if self.eplb is not None else []}
+            {
+                "instances": instances,
+                "eplb": await self.eplb() if self.eplb is not None else [],
+                "restarts": restarts,
+            }
         )
 
     async def mesh_eplb(self, _: Request) -> Response:
@@ -271,6 +296,15 @@ class _Handlers:
         the last rebalance (slots and bytes moved, plan ms), the Off switch (null: the controller's
         default)."""
         return JSONResponse(await self.eplb() if self.eplb is not None else [])
+
+
+def _openapi(document: dict[str, Any]) -> Callable[[Request], Awaitable[Response]]:
+    """The handler of GET /openapi.json: `document` (built once, at start)."""
+
+    async def openapi(_: Request) -> Response:
+        return JSONResponse(document)
+
+    return openapi
 
 
 async def _mesh_error(_: Request, error: Exception) -> Response:
@@ -297,10 +331,16 @@ def create_app(
     registry: CollectorRegistry | None = None,
     eplb: EplbView | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    api_key: str = "",
+    restarts: RestartsView | None = None,
 ) -> Starlette:
     """The gateway's HTTP app; `registry` is what /metrics exposes (default: the process registry),
-    `eplb` what /mesh/eplb lists (none: an empty list); bodies over `max_body_bytes` get 413."""
-    h = _Handlers(orchestrator, tokenizer, model, registry or REGISTRY, eplb, max_body_bytes)
+    `eplb` what /mesh/eplb lists (none: an empty list), `restarts` what /mesh says of restarts
+    (none: nothing restarted); bodies over `max_body_bytes` get 413; with
+    `api_key`, /v1 and /mesh routes need `Authorization: Bearer <api_key>` (auth.py), else 401."""
+    h = _Handlers(
+        orchestrator, tokenizer, model, registry or REGISTRY, eplb, max_body_bytes, restarts
+    )
     routes = [
         Route("/v1/completions", h.completions, methods=["POST"]),
         Route("/v1/chat/completions", h.chat, methods=["POST"]),
@@ -309,7 +349,17 @@ def create_app(
         Route("/metrics", h.metrics, methods=["GET"]),
         Route("/mesh", h.mesh, methods=["GET"]),
         Route("/mesh/eplb", h.mesh_eplb, methods=["GET"]),
+        Route(
+            "/openapi.json",
+            _openapi(
+                build_openapi(model, max_body_bytes=max_body_bytes, requires_api_key=bool(api_key))
+            ),
+            methods=["GET"],
+        ),
     ]
-    return Starlette(
+    app = Starlette(
         routes=routes, exception_handlers={MeshError: _mesh_error, HTTPException: _http_error}
     )
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    return app

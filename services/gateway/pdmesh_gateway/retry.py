@@ -15,13 +15,15 @@ Two loops, both before anything reached the client:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from tenacity import RetryCallState
 
 from pdmesh_gateway.router import NoInstance
 from pdmesh_service import errors
+from pdmesh_service.instance import InstanceInfo
 
 RETRY_BACKOFF_S, MAX_BACKOFF_S = 0.02, 0.5  # first wait before a retry, doubling up to the cap
 
@@ -32,6 +34,15 @@ class HandoffLost(errors.Unavailable):
     reached the client yet: retry the request from the start."""
 
 
+class RankGone(errors.Unavailable):
+    """A rank left the registry (its heartbeats stopped: dead, or paused) while a call to it was
+    open; the call was abandoned."""
+
+    def __init__(self, instance_id: str, message: str) -> None:
+        super().__init__(message)
+        self.instance_id = instance_id
+
+
 class Overloaded(errors.ResourceExhausted):
     """The request waited at the gateway (prefill slot, decode blocks) until its timeout (not
     retried)."""
@@ -40,6 +51,28 @@ class Overloaded(errors.ResourceExhausted):
 class DecodeFull(errors.ResourceExhausted):
     """Every decode rank left to try was short of KV blocks in this pass (wait, then try them
     again)."""
+
+
+class Exclusions:
+    """Ranks that failed one request: each is skipped for it until the rank heartbeats again after
+    its failure (a restarted rank, same id, is back in play; a dead or paused one stays out)."""
+
+    def __init__(self) -> None:
+        self._since: dict[str, int] = {}  # instance id -> when it failed (ms, wall clock)
+
+    def add(self, instance_id: str, now_ms: int | None = None) -> None:
+        self._since[instance_id] = int(time.time() * 1000) if now_ms is None else now_ms
+
+    def blocks(self, info: InstanceInfo) -> bool:
+        failed = self._since.get(info.instance_id)
+        return failed is not None and info.updated_ms <= failed
+
+    def blocked(self, instances: Iterable[InstanceInfo]) -> set[str]:
+        """The ids among `instances` to skip now."""
+        return {i.instance_id for i in instances if self.blocks(i)}
+
+    def __len__(self) -> int:
+        return len(self._since)
 
 
 def is_rank_failure(error: BaseException) -> bool:

@@ -32,9 +32,19 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+DEFAULT_GONE_AFTER_S = 2.0
+
+
 class Router:
-    def __init__(self) -> None:
+    """`gone_after_s`: how long a rank may be missing from the registry view before calls open to
+    it are abandoned (`is_live`); a short gap (Redis restarted, a late heartbeat) is not a death."""
+
+    def __init__(self, gone_after_s: float = DEFAULT_GONE_AFTER_S) -> None:
+        self.gone_after_s = gone_after_s
         self._instances: list[InstanceInfo] = []
+        self._seen: dict[str, float] = {}  # instance id -> when last seen ready (time.monotonic)
+        self._updated = 0.0  # when the view was last replaced
+        self.refresh_error: str | None = None  # why the last registry read failed (None: it worked)
         self._sent: dict[str, list[int]] = {}  # decode id -> send times (ms) since its heartbeat
         self._prefill_in_flight: dict[str, int] = {}
         self._last: dict[Role, str] = {}  # role -> id picked last
@@ -42,6 +52,8 @@ class Router:
     def update(self, instances: Iterable[InstanceInfo]) -> None:
         """Replace the view with the registry's; forget sends that the new heartbeats include."""
         self._instances = sorted(instances, key=lambda i: i.instance_id)
+        now = self._updated = time.monotonic()
+        self._seen.update((i.instance_id, now) for i in self._instances if i.ready)
         stamps = {i.instance_id: i.updated_ms for i in self._instances}
         self._sent = {
             k: [t for t in v if t > stamps[k]] for k, v in self._sent.items() if k in stamps
@@ -55,6 +67,12 @@ class Router:
 
     def has_ready(self, role: Role) -> bool:
         return any(i.role == role and i.ready for i in self._instances)
+
+    def is_live(self, instance_id: str) -> bool:
+        """Whether the rank was ready in the views of the last `gone_after_s` before the latest
+        one (while the registry cannot be read, the last view stands and nobody is gone)."""
+        seen = self._seen.get(instance_id)
+        return seen is not None and self._updated - seen <= self.gone_after_s
 
     def decode_load(self, info: InstanceInfo) -> int:
         load = info.stats
@@ -106,8 +124,33 @@ async def refresh_forever(
     while True:
         try:
             router.update(await fetch())
+            router.refresh_error = None
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - Redis down: keep routing on the last view
-            log.warning("registry refresh failed", error=f"{type(e).__name__}: {e}")
+            if router.refresh_error is None:
+                log.warning("registry refresh failed", error=f"{type(e).__name__}: {e}")
+            router.refresh_error = f"{type(e).__name__}: {e}"
         await asyncio.sleep(interval_s)
+
+
+def health(router: Router, needs_prefill: bool) -> tuple[str, dict[str, object]]:
+    """The gateway's health: "unavailable" when no decode rank is ready (nothing can be served),
+    "degraded" when requests are served but the registry cannot be read (Redis down: routing on the
+    last view), or the mesh lacks its kvstore or (`needs_prefill`: disagg) its prefill ranks (decode
+    then prefills itself), else "ok"; with the counts and problems behind it."""
+    counts = {str(role): len(router.ready(role)) for role in (Role.DECODE, Role.PREFILL)}
+    counts["kvstore"] = len(router.ready(Role.KVSTORE))
+    problems = []
+    if router.refresh_error is not None:
+        problems.append(f"registry unreachable ({router.refresh_error}); routing on the last view")
+    if needs_prefill and not counts["kvstore"]:
+        problems.append("no kvstore instance is registered: KV hand-offs cannot be recorded")
+    if needs_prefill and not counts["prefill"]:
+        problems.append("no prefill rank is ready: decode ranks prefill themselves")
+    if not counts["decode"]:
+        status = "unavailable"
+        problems.insert(0, "no decode rank is ready")
+    else:
+        status = "degraded" if problems else "ok"
+    return status, {**counts, "problems": problems}

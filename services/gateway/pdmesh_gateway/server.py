@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,18 +19,41 @@ from prometheus_client import REGISTRY
 
 from pdmesh_engine.config import ModelConfig
 from pdmesh_engine.tokenizer import Tokenizer
+from pdmesh_gateway.auth import api_key_interceptor
 from pdmesh_gateway.core import ModelInfo
 from pdmesh_gateway.metrics import GatewayMetrics
-from pdmesh_gateway.orchestrator import DEFAULT_MAX_PREFILL_INFLIGHT, Mode, Orchestrator
-from pdmesh_gateway.rest import DEFAULT_MAX_BODY_BYTES, create_app, eplb_view
+from pdmesh_gateway.migration import DEFAULT_MAX_MIGRATIONS
+from pdmesh_gateway.orchestrator import (
+    DEFAULT_MAX_PREFILL_INFLIGHT,
+    DEFAULT_UNROUTABLE_WAIT_S,
+    Mode,
+    Orchestrator,
+)
+from pdmesh_gateway.rest import DEFAULT_MAX_BODY_BYTES, create_app, eplb_view, restarts_view
 from pdmesh_gateway.router import Router, refresh_forever
 from pdmesh_gateway.servicer import SERVICE_NAME, GenerateServicer, add_to_server
-from pdmesh_service.grpc_server import start_grpc_server
+from pdmesh_gateway.upstream import WorkerClient
+from pdmesh_service.grpc_server import MeshAuth, start_grpc_server
 from pdmesh_service.logging import get_logger
-from pdmesh_service.options import CommonConfig, add_common_arguments, common_from_args
-from pdmesh_service.registry import InstanceInfo, Load, Registry, Role, connect, heartbeat_forever
+from pdmesh_service.options import (
+    CommonConfig,
+    add_common_arguments,
+    check_metadata_secret,
+    common_from_args,
+    read_secret_file,
+)
+from pdmesh_service.registry import (
+    TTL_BEATS,
+    InstanceInfo,
+    Load,
+    Registry,
+    Role,
+    connect,
+    heartbeat_forever,
+)
 
 log = get_logger(__name__)
+API_KEY_ENV = "PDMESH_API_KEY"
 
 
 @dataclass(frozen=True)
@@ -45,8 +69,14 @@ class GatewayConfig:
     # per prefill rank, Reserve to end of Prefill
     max_prefill_inflight: int = DEFAULT_MAX_PREFILL_INFLIGHT
     max_body_mb: float = DEFAULT_MAX_BODY_BYTES / (1 << 20)  # REST bodies over this get 413
+    max_migrations: int = DEFAULT_MAX_MIGRATIONS  # continuations of a request after rank losses
+    unroutable_wait_s: float = DEFAULT_UNROUTABLE_WAIT_S  # wait for a decode rank before 503
+    # REST /v1 and /mesh and the gRPC API need `Bearer <api_key>` (auth.py); "": open
+    api_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
+        if self.api_key:
+            check_metadata_secret(self.api_key, "the API key")
         try:
             object.__setattr__(self, "mode", Mode(self.mode))  # frozen: normalise a str once, here
         except ValueError:
@@ -65,6 +95,10 @@ class GatewayConfig:
             )
         if not self.max_body_mb > 0:
             raise ValueError(f"--max-body-mb must be positive, got {self.max_body_mb}")
+        if self.max_migrations < 0:
+            raise ValueError(f"--max-migrations must be >= 0, got {self.max_migrations}")
+        if not self.unroutable_wait_s >= 0:
+            raise ValueError(f"--unroutable-wait-s must be >= 0, got {self.unroutable_wait_s}")
 
     @property
     def model_name(self) -> str:
@@ -73,6 +107,7 @@ class GatewayConfig:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common_arguments(p)
+    _add_api_key_arguments(p)
     g = p.add_argument_group("gateway")
     g.add_argument(
         "--model", type=Path, required=True, help="Hugging Face model directory (tokenizer, config)"
@@ -106,6 +141,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_BODY_BYTES / (1 << 20),
         help="largest REST request body in MiB (larger: 413)",
     )
+    g.add_argument(
+        "--max-migrations",
+        type=int,
+        default=DEFAULT_MAX_MIGRATIONS,
+        help="times a request goes on on another decode rank after its rank died mid-stream "
+        "(then it ends with an error event)",
+    )
+    g.add_argument(
+        "--unroutable-wait-s",
+        type=float,
+        default=DEFAULT_UNROUTABLE_WAIT_S,
+        help="how long a request waits for a decode rank to be up (restarting) before 503",
+    )
+
+
+def _add_api_key_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("front door")
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV, ""),
+        help=f"clients must send 'Authorization: Bearer KEY' to /v1, /mesh and the gRPC API "
+        f"(default: ${API_KEY_ENV}; none: open)",
+    )
+    g.add_argument(
+        "--api-key-file", metavar="PATH", default="", help="read the API key from this file"
+    )
+
+
+def api_key_from(args: argparse.Namespace) -> str:
+    """--api-key-file's content (stripped) when given, else --api-key (or its default)."""
+    if args.api_key_file:
+        return read_secret_file(args.api_key_file, "the API key")
+    return str(args.api_key).strip()
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -119,6 +187,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_model_len=args.max_model_len,
         max_prefill_inflight=args.max_prefill_inflight,
         max_body_mb=args.max_body_mb,
+        max_migrations=args.max_migrations,
+        unroutable_wait_s=args.unroutable_wait_s,
+        api_key=api_key_from(args),
     )
 
 
@@ -176,10 +247,17 @@ async def serve(config: GatewayConfig, ready: asyncio.Event | None = None) -> No
         mode=config.mode,
         request_timeout_s=config.request_timeout_s,
         max_prefill_inflight=config.max_prefill_inflight,
+        max_migrations=config.max_migrations,
+        unroutable_wait_s=config.unroutable_wait_s,
+        workers=WorkerClient(MeshAuth.from_config(common)),
     )
     servicer = GenerateServicer(orchestrator, tokenizer, model)
     grpc_server = await start_grpc_server(
-        common.host, common.port, [lambda s: add_to_server(servicer, s)], [SERVICE_NAME]
+        common.host,
+        common.port,
+        [lambda s: add_to_server(servicer, s)],
+        [SERVICE_NAME],
+        interceptors=[api_key_interceptor(config.api_key)] if config.api_key else (),
     )
     app = create_app(
         orchestrator,
@@ -187,7 +265,9 @@ async def serve(config: GatewayConfig, ready: asyncio.Event | None = None) -> No
         model,
         REGISTRY,
         eplb=eplb_view(redis, common.deployment),
+        restarts=restarts_view(redis, common.deployment),
         max_body_bytes=int(config.max_body_mb * (1 << 20)),
+        api_key=config.api_key,
     )
     http, http_task, http_port = await _start_http(app, common.host, config.http_port)
     instance_id = common.instance(Role.GATEWAY, grpc_server.port)
@@ -207,7 +287,7 @@ async def serve(config: GatewayConfig, ready: asyncio.Event | None = None) -> No
     tasks = [
         asyncio.ensure_future(refresh_forever(router, registry.instances, config.refresh_s)),
         asyncio.ensure_future(
-            heartbeat_forever(registry, report, common.heartbeat_s, 3 * common.heartbeat_s)
+            heartbeat_forever(registry, report, common.heartbeat_s, TTL_BEATS * common.heartbeat_s)
         ),
     ]
     try:

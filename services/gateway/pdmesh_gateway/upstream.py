@@ -9,6 +9,8 @@ DEADLINE_EXCEEDED before admission are `HandoffLost` (the hand-off ended first; 
 
 from __future__ import annotations
 
+import re
+
 import grpc
 
 from pdmesh_gateway.core import GenerationRequest, TokenLogprob, WorkerChunk
@@ -18,7 +20,13 @@ from pdmesh_proto.decode.v1 import decode_pb2, decode_pb2_grpc
 from pdmesh_proto.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from pdmesh_service import errors
 from pdmesh_service.convert import finish_reason_from_pb, sampling_to_pb
-from pdmesh_service.grpc_server import ADMITTED_METADATA, channel, request_metadata
+from pdmesh_service.grpc_server import (
+    ADMITTED_METADATA,
+    NO_AUTH,
+    MeshAuth,
+    channel,
+    request_metadata,
+)
 from pdmesh_service.instance import InstanceInfo
 from pdmesh_service.logging import get_logger
 
@@ -39,10 +47,16 @@ _ERRORS: dict[grpc.StatusCode, type[errors.MeshError]] = {
 }
 
 
+# transport details name peers ("ipv4:127.0.0.1:50061", "[::1]:50061"): not for clients' eyes
+_PEER = re.compile(r"(?:ipv[46]:)?(?:\[[0-9a-fA-F:.%\w]*\]|\d{1,3}(?:\.\d{1,3}){3}|localhost):\d+")
+
+
 def map_rpc_error(error: grpc.aio.AioRpcError, where: str) -> errors.MeshError:
-    """A worker's status as the domain error the transports map to HTTP/gRPC statuses."""
+    """A worker's status as the domain error the transports map to HTTP/gRPC statuses (network
+    addresses in its details masked)."""
     cls = _ERRORS.get(error.code(), errors.MeshError)
-    return cls(f"{where}: {error.details() or error.code().name}")
+    details = _PEER.sub("<peer>", error.details() or error.code().name)
+    return cls(f"{where}: {details}")
 
 
 def logprob_of(pb: common_pb2.TokenLogprob) -> TokenLogprob:
@@ -70,9 +84,13 @@ class DecodeStream:
     read)."""
 
     def __init__(
-        self, call: grpc.aio.UnaryStreamCall, where: str, pending: list[WorkerChunk]
+        self,
+        call: grpc.aio.UnaryStreamCall,
+        decode: InstanceInfo,
+        pending: list[WorkerChunk],
     ) -> None:
-        self.call, self.where, self.pending = call, where, pending
+        self.call, self.instance_id, self.pending = call, decode.instance_id, pending
+        self.where = _where(decode)
 
     async def next(self) -> WorkerChunk | None:
         """The next chunk; None once the stream ended."""
@@ -96,12 +114,14 @@ def _where(instance: InstanceInfo) -> str:
 class WorkerClient:
     """The decode and prefill RPCs the gateway makes; one channel per worker address."""
 
-    def __init__(self) -> None:
+    def __init__(self, auth: MeshAuth = NO_AUTH) -> None:
+        """`auth`: the gateway's mesh credentials, sent with every call (`grpc_server.channel`)."""
+        self.auth = auth
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = channel(address)
+            self._channels[address] = channel(address, self.auth)
         return self._channels[address]
 
     def _decode(self, decode: InstanceInfo) -> decode_pb2_grpc.DecodeStub:
@@ -132,9 +152,7 @@ class WorkerClient:
         except BaseException:
             call.cancel()
             raise
-        return DecodeStream(
-            call, _where(decode), [] if first is grpc.aio.EOF else [chunk_of(first)]
-        )
+        return DecodeStream(call, decode, [] if first is grpc.aio.EOF else [chunk_of(first)])
 
     async def reserve(
         self, decode: InstanceInfo, request: GenerationRequest, timeout: float
@@ -212,7 +230,7 @@ class WorkerClient:
         head = WorkerChunk(
             (first.first_token.token_id,), logprobs, num_cached_tokens=first.num_cached_tokens
         )
-        return DecodeStream(call, _where(decode), [head, *read])
+        return DecodeStream(call, decode, [head, *read])
 
     async def cancel(self, decode: InstanceInfo, request_id: str) -> None:
         """decode.Cancel, best effort (the reservation's lease frees the blocks anyway)."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pdmesh_kvstore.servicer import KVStoreServicer
 from pdmesh_kvstore.store import KVStore
 from pdmesh_proto.kvstore.v1 import kvstore_pb2_grpc
-from pdmesh_service.grpc_server import start_grpc_server
+from pdmesh_service.grpc_server import MeshAuth, start_grpc_server
 from pdmesh_service.logging import get_logger
 from pdmesh_service.options import CommonConfig, add_common_arguments, common_from_args
 from pdmesh_service.registry import InstanceInfo, Registry, connect, stay_registered
@@ -80,6 +80,7 @@ async def serve(config: KVStoreConfig, ready: asyncio.Event | None = None) -> No
             common.port,
             [lambda s: kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, s)],
             [SERVICE_NAME],
+            auth=MeshAuth.from_config(common),
         )
         stack.push_async_callback(server.stop)
         instance_id = common.instance(ROLE, server.port)

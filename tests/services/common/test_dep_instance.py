@@ -74,7 +74,6 @@ def test_plan_mesh_gives_dep_instances_a_port_block() -> None:
     )
     specs = plan_mesh(
         options,
-        "redis://x",
         port_of=lambda host: next(ports),
         block_of=lambda host, n: next(blocks),
     )
@@ -170,7 +169,7 @@ def test_another_ranks_stop_ends_the_loop() -> None:
 
 def test_launcher_passes_gateway_admission_only_when_set() -> None:
     def gateway_argv(**kw) -> tuple[str, ...]:
-        specs = plan_mesh(MeshOptions(model_dir=Path("/m"), **kw), "redis://127.0.0.1:1/0")
+        specs = plan_mesh(MeshOptions(model_dir=Path("/m"), **kw))
         return next(s.argv for s in specs if s.role == "gateway")
 
     argv = gateway_argv(max_prefill_inflight=3)
@@ -179,7 +178,7 @@ def test_launcher_passes_gateway_admission_only_when_set() -> None:
 
 
 def test_plan_mesh_starts_the_eplb_controller_after_the_kvstore() -> None:
-    specs = plan_mesh(MeshOptions(model_dir=Path("/m")), "redis://127.0.0.1:1/0")
+    specs = plan_mesh(MeshOptions(model_dir=Path("/m")))
     roles = [s.role for s in specs]
     assert (
         roles.index("kvstore")
@@ -209,7 +208,7 @@ def test_pdmesh_up_passes_the_eplb_options_to_the_controller_only() -> None:
 
     args = argparse.Namespace(no_eplb=True, eplb_window_steps=8, eplb_step_interval=None)
     options = MeshOptions(model_dir=Path("/m"), eplb_args=eplb_argv(args))
-    specs = plan_mesh(options, "redis://127.0.0.1:1/0")
+    specs = plan_mesh(options)
     eplb = next(s for s in specs if s.role == "eplb")
     assert eplb.argv[-3:] == ("--no-rebalance", "--eplb-window-steps", "8")
     assert all("--eplb-window-steps" not in s.argv for s in specs if s.role != "eplb")
@@ -218,7 +217,7 @@ def test_pdmesh_up_passes_the_eplb_options_to_the_controller_only() -> None:
 def test_plan_mesh_never_hands_out_one_port_twice() -> None:
     picks = iter([6000, 6000, 6001, 8000, 6002, 6003, 6003, 6004, 6005, 6006, 6007, 6008, 6009])
     options = MeshOptions(Path("m"), grpc_port=8000, http_port=8001)
-    specs = plan_mesh(options, "redis://x", port_of=lambda host: next(picks))
+    specs = plan_mesh(options, port_of=lambda host: next(picks))
     ports = [int(s.grpc_address.rsplit(":", 1)[1]) for s in specs] + [
         s.metrics_port for s in specs if s.metrics_port is not None
     ]

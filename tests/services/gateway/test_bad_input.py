@@ -17,12 +17,14 @@ from pdmesh_gateway.orchestrator import Orchestrator
 from pdmesh_gateway.rest import create_app
 from pdmesh_gateway.router import Router
 
-MAX_BODY = 4096
+MAX_BODY = 8192  # over int()'s 4300-digit limit, so that limit can be reached
 
 
 def _post_all(tok, model, bodies: list[tuple[str, bytes]]) -> list[httpx.Response]:
     async def main() -> list[httpx.Response]:
-        orchestrator = Orchestrator(Router(), tok, metrics=GatewayMetrics(CollectorRegistry()))
+        orchestrator = Orchestrator(
+            Router(), tok, metrics=GatewayMetrics(CollectorRegistry()), unroutable_wait_s=0.0
+        )
         app = create_app(orchestrator, tok, model, CollectorRegistry(), max_body_bytes=MAX_BODY)
         transport = httpx.ASGITransport(app=app)
         try:
@@ -66,6 +68,27 @@ def _post_all(tok, model, bodies: list[tuple[str, bytes]]) -> list[httpx.Respons
             400,
             "max_tokens",
         ),
+        # an integer past int()'s digit limit: json.loads raised a bare ValueError (was a 500)
+        (
+            "/v1/completions",
+            b'{"prompt": "hi", "seed": ' + b"9" * 4400 + b"}",
+            400,
+            "not valid JSON",
+        ),
+        # an integer past the float range where a number is due (was an OverflowError, a 500)
+        (
+            "/v1/completions",
+            b'{"prompt": "hi", "temperature": 1' + b"0" * 400 + b"}",
+            400,
+            "finite",
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "x"}], "top_p": 1' + b"0" * 400 + b"}",
+            400,
+            "top_p",
+        ),
+        ("/v1/completions", b'{"prompt": "hi", "n": 2}', 400, "n=2 is not supported"),
     ],
 )
 def test_hostile_bodies_get_4xx_in_the_openai_shape(tok, model, path, body, status, needle) -> None:

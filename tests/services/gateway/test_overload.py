@@ -252,8 +252,8 @@ def test_handoff_lost_before_the_first_token_is_retried_invisibly(tok, model, wh
             await orch.close()
             await server.stop(None)
         assert fold(events).token_ids == script[:6] and events[0].token_ids == (script[0],)
-        # one whole retry
-        assert decode.order == ["lost", "lost"] and prefill.seen == ["lost", "lost"]
+        # one whole retry, under an id of its own
+        assert decode.order == ["lost", "lost~1"] and prefill.seen == ["lost", "lost~1"]
         # the lost one answered at once
         assert decode.calls.count("Decode") == 1 and not decode.lose
 

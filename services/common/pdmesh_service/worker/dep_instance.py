@@ -10,9 +10,11 @@ starts one child per rank, `pdmesh serve ROLE <the same options> --port BASE --d
     its own NIXL agent of that name;
   - joins the instance's gloo group at tcp://HOST:P (HOST: the bind host; loopback for a wildcard).
 Contracts: SIGTERM/SIGINT to the supervisor stops every rank (their engine loops leave the lockstep
-at the same step) and it exits 0; a rank that exits on its own stops the instance (the other ranks
-would block in collectives): the supervisor stops the rest and exits 1. Ranks get SIGKILL when the
-supervisor dies (PR_SET_PDEATHSIG), so no rank outlives it.
+at the same step) and it exits 0; a rank that exits on its own stops the instance (the other ranks'
+collectives break: each logs one line, leaves the registry and exits 1): the supervisor waits
+SETTLE_S for that, SIGTERMs what is left, SIGKILLs it after STOP_GRACE_S, and exits 1, so that
+whoever started it (`pdmesh up`'s launcher) restarts the instance as a whole, on the same ports.
+Ranks get SIGKILL when the supervisor dies (PR_SET_PDEATHSIG), so no rank outlives it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from pdmesh_service.redis_server import PortPicker, free_port_block
 
 log = get_logger(__name__)
 STOP_GRACE_S = 8.0  # below the launcher's 10 s, so the supervisor kills what is left itself
+SETTLE_S = 2.0  # after a rank died: how long the others get to leave on their own (group broke)
 WATCH_INTERVAL_S = 0.5
 WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 
@@ -202,7 +205,8 @@ def rank_argv(
 def run_instance(
     role: str, options: list[str], common: CommonConfig, model_dir: Path, dep: DEPOptions
 ) -> int:
-    """Supervise a DEP instance until SIGTERM/SIGINT (exit 0) or until a rank exits (exit 1)."""
+    """Supervise a DEP instance until SIGTERM/SIGINT (exit 0) or until a rank exits (the others
+    are stopped; exit 1)."""
     check_expert_split(model_dir, dep)
     configure_logging(role, common.log_level)
     base = common.port or free_port_block(common.host, dep.size)
@@ -215,6 +219,7 @@ def run_instance(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
     ranks: list[subprocess.Popen[bytes]] = []
+    failed: list[int] = []
     try:
         for rank in range(dep.size):
             ranks.append(
@@ -232,26 +237,36 @@ def run_instance(
             pids=[p.pid for p in ranks],
         )
         failed = _watch(ranks, stopping)
+        if failed:
+            log.error(
+                "a rank exited; stopping the DEP instance",
+                exited={rank: ranks[rank].returncode for rank in failed},
+            )
     finally:
-        _stop(ranks, STOP_GRACE_S)
-    if failed is None:
+        # the others saw their collectives break: let them leave on their own first
+        _stop(ranks, STOP_GRACE_S, SETTLE_S if failed else 0.0)
+    if not failed:
         log.info("DEP instance stopped")
         return 0
-    log.error("a rank exited; the DEP instance stopped", rank=failed, code=ranks[failed].returncode)
+    log.error("DEP instance stopped", codes=[p.returncode for p in ranks])
     return 1
 
 
-def _watch(ranks: list[subprocess.Popen[bytes]], stopping: threading.Event) -> int | None:
-    """Wait for a stop signal (None) or for a rank to exit (its index)."""
+def _watch(ranks: list[subprocess.Popen[bytes]], stopping: threading.Event) -> list[int]:
+    """Wait for a stop signal (empty) or for ranks to exit (the indexes of those that did)."""
     while not stopping.wait(WATCH_INTERVAL_S):
-        for rank, process in enumerate(ranks):
-            if process.poll() is not None:
-                return rank
-    return None
+        exited = [rank for rank, process in enumerate(ranks) if process.poll() is not None]
+        if exited:
+            return exited
+    return []
 
 
-def _stop(ranks: list[subprocess.Popen[bytes]], grace_s: float) -> None:
-    """SIGTERM every live rank (they stop together), SIGKILL what is left after `grace_s`."""
+def _stop(ranks: list[subprocess.Popen[bytes]], grace_s: float, settle_s: float = 0.0) -> None:
+    """After up to `settle_s` for the ranks to exit on their own, SIGTERM every live rank (they stop
+    together), SIGKILL what is left after `grace_s`."""
+    settled = time.monotonic() + settle_s
+    while time.monotonic() < settled and any(p.poll() is None for p in ranks):
+        time.sleep(0.05)
     for process in ranks:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)

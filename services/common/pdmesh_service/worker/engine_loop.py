@@ -251,7 +251,15 @@ class EngineLoop:
             if not stopping and not self._pause(idle_s):
                 stopping = True
                 lockstep.request_stop()
-            self._deliver_outputs(self.engine.step())  # raises when the group broke: the loop ends
+            try:
+                outputs = self.engine.step()
+            except RuntimeError as e:  # a rank died or a collective timed out: the group broke
+                first_line = str(e).partition("\n")[0][:200]
+                self._end_reason = f"the DEP group broke: {first_line}"
+                log.error("DEP group broke", instance=self.instance_id, error=self._end_reason)
+                log.debug("DEP group broke", instance=self.instance_id, exc_info=True)
+                return
+            self._deliver_outputs(outputs)
             record = lockstep.last
             if record is None:  # every lockstep step records itself
                 raise RuntimeError("a lockstep step left no record")

@@ -19,18 +19,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import grpc
+from redis.exceptions import RedisError
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from pdmesh_engine.config import EngineConfig
 from pdmesh_engine.engine_core import EngineCore
 from pdmesh_engine.parallel.dep import DEPConfig, DEPContext, init_dep, shutdown_dep
 from pdmesh_engine.transfer.agent import KVTransferAgent
-from pdmesh_service.grpc_server import start_grpc_server
+from pdmesh_service.errors import MeshError
+from pdmesh_service.grpc_server import MeshAuth, start_grpc_server
 from pdmesh_service.instance import Role
 from pdmesh_service.kvstore_client import KVStoreClient
 from pdmesh_service.logging import get_logger
@@ -48,6 +51,7 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 KVSTORE_DISCOVERY_S = 30.0
+PEER_WAIT_S = 60.0  # how long a starting worker waits for its kvstore to answer
 ServicerT = TypeVar("ServicerT")
 
 
@@ -84,11 +88,41 @@ class WorkerSpec:
     add_servicer: Callable[[Any, grpc.aio.Server], None]
 
 
+async def _until_done(
+    call: Callable[[], Awaitable[object]], what: str, timeout_s: float = PEER_WAIT_S
+) -> None:
+    """`call()` until it works, waiting out a peer that is down (a kvstore or Redis restarting: a
+    worker started meanwhile waits for it rather than dying), with backoff; the last error after
+    `timeout_s`."""
+    retrying = AsyncRetrying(
+        retry=retry_if_exception_type((MeshError, RedisError, OSError)),
+        wait=wait_exponential(multiplier=0.2, max=2.0),
+        stop=stop_after_delay(timeout_s),
+        before_sleep=lambda state: log.warning(
+            f"{what} failed; retrying",
+            error=str(state.outcome.exception() if state.outcome else ""),
+        ),
+        reraise=True,
+    )
+
+    async def attempt() -> None:  # tenacity awaits only coroutine functions
+        await call()
+
+    await retrying(attempt)
+
+
 async def discover_kvstore(registry: Registry, timeout_s: float = KVSTORE_DISCOVERY_S) -> str:
-    """The address of a ready kvstore instance in the registry (waits for one to appear)."""
+    """The address of a ready kvstore instance in the registry (waits for one to appear, and for
+    Redis)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
-        found = [i for i in await registry.instances(Role.KVSTORE) if i.ready]
+        try:
+            found = [i for i in await registry.instances(Role.KVSTORE) if i.ready]
+        except (RedisError, OSError) as e:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            log.warning("registry unreachable while looking for the kvstore", error=str(e))
+            found = []
         if found:
             return found[0].address
         if asyncio.get_running_loop().time() > deadline:
@@ -125,14 +159,18 @@ async def run_worker(
     loop = EngineLoop(engine, agent, instance_id, rank, size, WorkerMetrics(instance_id))
     redis = connect(common.redis_url)
     registry = Registry(redis, common.deployment)
+    auth = MeshAuth.from_config(common)
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(redis.aclose)
         stack.callback(agent.close)  # after the engine thread, its only user, ended
         if context is not None:
             stack.callback(shutdown_dep)  # likewise: the thread's last step was a collective
-        kvstore = KVStoreClient(kvstore_address or await discover_kvstore(registry))
+        kvstore = KVStoreClient(kvstore_address or await discover_kvstore(registry), auth=auth)
         stack.push_async_callback(kvstore.close)
-        await kvstore.register_agent(instance_id, agent.metadata(), instance_id)
+        await _until_done(
+            lambda: kvstore.register_agent(instance_id, agent.metadata(), instance_id),
+            "registering the NIXL agent in the kvstore",
+        )
         worker = spec.make_worker(WorkerParts(instance_id, loop, agent, kvstore))
         loop.start(worker.role)
         stack.push_async_callback(loop.stop)
@@ -142,6 +180,7 @@ async def run_worker(
             port,
             [lambda s: spec.add_servicer(worker.servicer, s)],
             [spec.service_name],
+            auth=auth,
         )
         stack.push_async_callback(server.stop)
         info = InstanceInfo(
@@ -153,7 +192,13 @@ async def run_worker(
             model=Path(model_dir).resolve().name,
             ready=True,
         )
-        await stay_registered(stack, registry, lambda: _report(loop, info), common.heartbeat_s)
+        await stay_registered(
+            stack,
+            registry,
+            lambda: _report(loop, info),
+            common.heartbeat_s,
+            on_missing=lambda: kvstore.register_agent(instance_id, agent.metadata(), instance_id),
+        )
         await server.set_serving(True)
         if dep is not None and dep.eplb_report_s > 0:
             _start_eplb_agent(
