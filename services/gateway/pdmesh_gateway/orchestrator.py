@@ -164,13 +164,14 @@ class Orchestrator:
         progress = RequestProgress(request, self.tokenizer)
         deadline = asyncio.get_running_loop().time() + self.request_timeout_s
         excluded = Exclusions()  # decode ranks that failed this request
+        tries = itertools.count()  # every try of the request gets an id of its own (`tried`)
         attempt: GenerationRequest | None = request
         status = "cancelled"
         self.metrics.in_flight.inc()
         self.active += 1
         try:
             while attempt is not None:
-                stream = await self._start(attempt, deadline, excluded)
+                stream = await self._start(attempt, deadline, excluded, tries)
                 try:
                     async for event in self._relay(stream, progress):
                         if event.finish_reason is not None:
@@ -257,7 +258,11 @@ class Orchestrator:
                     await task
 
     async def _start(
-        self, request: GenerationRequest, deadline: float, excluded: Exclusions
+        self,
+        request: GenerationRequest,
+        deadline: float,
+        excluded: Exclusions,
+        tries: Iterator[int],
     ) -> DecodeStream:
         """Open the request's decode stream, tried again as `retry_policy` says (nothing was sent
         yet); with no decode rank to try, wait up to `unroutable_wait_s` for one (a restarting
@@ -266,7 +271,7 @@ class Orchestrator:
         give_up_at = min(deadline, loop.time() + self.unroutable_wait_s)
         while True:
             try:
-                return await self._start_retrying(request, deadline, excluded)
+                return await self._start_retrying(request, deadline, excluded, tries)
             except NoInstance:
                 if not await self._wait_routable(excluded, give_up_at):
                     raise
@@ -282,7 +287,11 @@ class Orchestrator:
         return False
 
     async def _start_retrying(
-        self, request: GenerationRequest, deadline: float, excluded: Exclusions
+        self,
+        request: GenerationRequest,
+        deadline: float,
+        excluded: Exclusions,
+        tries: Iterator[int],
     ) -> DecodeStream:
         decisions = StartRetry(self.retry_policy)
 
@@ -297,7 +306,6 @@ class Orchestrator:
         retrying = AsyncRetrying(
             retry=decisions.retry, wait=decisions.wait, before_sleep=before_sleep
         )
-        tries = itertools.count()
 
         async def start_once() -> DecodeStream:
             return await self._start_once(tried(request, next(tries)), deadline, excluded)
@@ -404,21 +412,27 @@ class Orchestrator:
             sleep=sleep,
             retry_error_callback=overloaded,
         )
-        return await retrying(self._reserve_pass, request, deadline, excluded)
+        failed: set[str] = set()  # ranks whose Reserve of this try's id failed: never asked again
+        return await retrying(self._reserve_pass, request, deadline, excluded, failed)
 
     async def _reserve_pass(
-        self, request: GenerationRequest, deadline: float, excluded: Exclusions
+        self,
+        request: GenerationRequest,
+        deadline: float,
+        excluded: Exclusions,
+        failed: set[str],
     ) -> tuple[InstanceInfo, common_pb2.KVTarget]:
         """Reserve on the least loaded decode rank that has the blocks. A rank short of them is
-        skipped for this pass, an unavailable one for the request (`excluded`). `NoInstance` when no
-        rank is left at all, `DecodeFull` when the ones left were all short of blocks (or the
-        deadline passed while waiting)."""
+        skipped for this pass, an unavailable one for the request (`excluded`, until it heartbeats
+        again) and for this try's id (`failed`: it may still hold a reservation under that id).
+        `NoInstance` when no rank is left at all, `DecodeFull` when the ones left were all short of
+        blocks (or the deadline passed while waiting)."""
         if deadline <= asyncio.get_running_loop().time():
             raise DecodeFull("no time was left to reserve decode blocks")
         full: set[str] = set()
         while True:
             try:
-                decode = self.router.pick_decode(self._skipped(excluded) | full)
+                decode = self.router.pick_decode(self._skipped(excluded) | full | failed)
             except NoInstance:
                 if not full:
                     raise
@@ -434,6 +448,7 @@ class Orchestrator:
             except (errors.Unavailable, errors.DeadlineExceeded):
                 self._timeout(deadline)  # the request's own deadline passed: DeadlineExceeded
                 excluded.add(decode.instance_id)  # else the rank did not answer in time
+                failed.add(decode.instance_id)  # and may still hold this id: not again in this try
                 continue
             self.router.note_sent(decode.instance_id)
             return decode, target

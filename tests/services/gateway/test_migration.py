@@ -331,3 +331,49 @@ def test_health_tells_unavailable_degraded_and_ok() -> None:
     router.refresh_error = "ConnectionError: redis down"
     status, body = health(router, needs_prefill=False)
     assert status == "degraded" and "registry unreachable" in body["problems"][0]
+
+
+class FlakyDecode(Decode):
+    """Its first Reserve fails with `code` (UNAVAILABLE: after taking the id, as a rank whose
+    kvstore or Redis is restarting does; RESOURCE_EXHAUSTED: short of blocks); later ones work."""
+
+    def __init__(self, code: grpc.StatusCode) -> None:
+        super().__init__()
+        self.code, self.reserve_ids = code, []
+
+    async def Reserve(self, request, context):
+        self.reserve_ids.append(request.request_id)
+        if len(self.reserve_ids) == 1:
+            await context.abort(self.code, "first Reserve refused")
+        return await super().Reserve(request, context)
+
+
+def test_a_rank_whose_reserve_failed_never_sees_that_id_again(tok, model) -> None:
+    """decode-0 fails Reserve, decode-1 is short of blocks; by the next pass decode-0 heartbeated
+    again (back in play), but it may still hold the id: the pass must not ask it again under it."""
+
+    async def main() -> None:
+        flaky = FlakyDecode(grpc.StatusCode.UNAVAILABLE)
+        full = FlakyDecode(grpc.StatusCode.RESOURCE_EXHAUSTED)
+        async with Mesh(decode_0=flaky, decode_1=full, prefill_0=Prefill()) as mesh:
+            router = Router()
+            orch = mesh.orchestrator(router)
+
+            async def heartbeats() -> None:
+                while True:
+                    router.update(_view(mesh.addresses, int(time.time() * 1000)))
+                    await asyncio.sleep(0.002)
+
+            beating = asyncio.ensure_future(heartbeats())
+            try:
+                result = fold([e async for e in orch.generate(_request(model, tok))])
+            finally:
+                beating.cancel()
+            assert result.token_ids == SCRIPT[:12]
+            assert "r1" not in flaky.reserve_ids[1:], flaky.reserve_ids
+            assert full.reserve_ids[:2] == [
+                "r1",
+                "r1",
+            ]  # short of blocks: nothing held, asked again
+
+    _run(main())
