@@ -275,6 +275,7 @@ class Orchestrator:
             except NoInstance:
                 if not await self._wait_routable(excluded, give_up_at):
                     raise
+                self.metrics.retries.inc()
 
     async def _wait_routable(self, excluded: Exclusions, until: float) -> bool:
         """Until a decode rank this request may use is ready (True) or `until` passed (False)."""

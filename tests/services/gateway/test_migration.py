@@ -299,6 +299,7 @@ def test_no_decode_rank_is_waited_for_then_503(tok, model) -> None:
             loop.call_later(0.3, router.update, _view(mesh.addresses))
             result = fold([e async for e in orch.generate(_request(model, tok))])
             assert result.token_ids == SCRIPT[:12]
+            assert mesh.registry.get_sample_value("pdmesh_gateway_retries_total") == 1
             impatient = Orchestrator(
                 Router(),
                 tok,
