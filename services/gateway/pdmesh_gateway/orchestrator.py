@@ -413,27 +413,24 @@ class Orchestrator:
             sleep=sleep,
             retry_error_callback=overloaded,
         )
-        failed: set[str] = set()  # ranks whose Reserve of this try's id failed: never asked again
-        return await retrying(self._reserve_pass, request, deadline, excluded, failed)
+        return await retrying(self._reserve_pass, request, deadline, excluded)
 
     async def _reserve_pass(
-        self,
-        request: GenerationRequest,
-        deadline: float,
-        excluded: Exclusions,
-        failed: set[str],
+        self, request: GenerationRequest, deadline: float, excluded: Exclusions
     ) -> tuple[InstanceInfo, common_pb2.KVTarget]:
         """Reserve on the least loaded decode rank that has the blocks. A rank short of them is
-        skipped for this pass, an unavailable one for the request (`excluded`, until it heartbeats
-        again) and for this try's id (`failed`: it may still hold a reservation under that id).
-        `NoInstance` when no rank is left at all, `DecodeFull` when the ones left were all short of
-        blocks (or the deadline passed while waiting)."""
+        skipped for this pass (it holds nothing under the id). A rank that fails otherwise is
+        skipped for the request (`excluded`, until it heartbeats again) and ends this try: it may
+        have left a reservation or a live hand-off record under the try's id, which no rank may
+        be asked for again; the next try has an id of its own. `NoInstance` when no rank is left at
+        all, `DecodeFull` when the ones left were all short of blocks (or the deadline passed
+        while waiting)."""
         if deadline <= asyncio.get_running_loop().time():
             raise DecodeFull("no time was left to reserve decode blocks")
         full: set[str] = set()
         while True:
             try:
-                decode = self.router.pick_decode(self._skipped(excluded) | full | failed)
+                decode = self.router.pick_decode(self._skipped(excluded) | full)
             except NoInstance:
                 if not full:
                     raise
@@ -446,11 +443,13 @@ class Orchestrator:
             except errors.ResourceExhausted:
                 full.add(decode.instance_id)
                 continue
-            except (errors.Unavailable, errors.DeadlineExceeded):
+            except errors.DeadlineExceeded:
                 self._timeout(deadline)  # the request's own deadline passed: DeadlineExceeded
                 excluded.add(decode.instance_id)  # else the rank did not answer in time
-                failed.add(decode.instance_id)  # and may still hold this id: not again in this try
-                continue
+                raise errors.Unavailable(f"{decode.instance_id} did not answer Reserve") from None
+            except errors.Unavailable:
+                excluded.add(decode.instance_id)
+                raise
             self.router.note_sent(decode.instance_id)
             return decode, target
 

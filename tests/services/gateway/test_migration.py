@@ -349,9 +349,11 @@ class FlakyDecode(Decode):
         return await super().Reserve(request, context)
 
 
-def test_a_rank_whose_reserve_failed_never_sees_that_id_again(tok, model) -> None:
-    """decode-0 fails Reserve, decode-1 is short of blocks; by the next pass decode-0 heartbeated
-    again (back in play), but it may still hold the id: the pass must not ask it again under it."""
+def test_an_id_whose_reserve_failed_is_never_sent_to_any_rank_again(tok, model) -> None:
+    """decode-0 fails Reserve and may have left a reservation or a live hand-off record under the
+    id: neither it (back in play once it heartbeats) nor decode-1 is ever asked for that id again
+    (the kvstore would refuse a second live hand-off of it); a rank short of blocks holds nothing,
+    so it is asked again under the same id."""
 
     async def main() -> None:
         flaky = FlakyDecode(grpc.StatusCode.UNAVAILABLE)
@@ -371,10 +373,8 @@ def test_a_rank_whose_reserve_failed_never_sees_that_id_again(tok, model) -> Non
             finally:
                 beating.cancel()
             assert result.token_ids == SCRIPT[:12]
-            assert "r1" not in flaky.reserve_ids[1:], flaky.reserve_ids
-            assert full.reserve_ids[:2] == [
-                "r1",
-                "r1",
-            ]  # short of blocks: nothing held, asked again
+            failed_id = flaky.reserve_ids[0]
+            sent = flaky.reserve_ids + full.reserve_ids
+            assert sent.count(failed_id) == 1, (flaky.reserve_ids, full.reserve_ids)
 
     _run(main())
