@@ -213,6 +213,8 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads of this process; None: torch's default
     expert_load_window: int = 1000  # steps of per-slot expert load kept for EPLB (a ring)
+    # decode: at most this many requests whose KV just arrived join the batch per step; None: no cap
+    max_kv_loads_per_step: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -227,6 +229,11 @@ class EngineConfig:
             )
         if self.expert_load_window < 1:
             raise ValueError(f"expert_load_window must be >= 1, got {self.expert_load_window}")
+        if self.max_kv_loads_per_step is not None and self.max_kv_loads_per_step < 1:
+            raise ValueError(
+                "max_kv_loads_per_step must be >= 1 (or None: no cap), "
+                f"got {self.max_kv_loads_per_step}"
+            )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:

@@ -82,7 +82,10 @@ class EngineCore:
             )
         self.scheduler = Scheduler(
             SchedulerConfig(
-                self.config.max_num_seqs, self.config.max_num_batched_tokens, self.max_model_len
+                self.config.max_num_seqs,
+                self.config.max_num_batched_tokens,
+                self.max_model_len,
+                self.config.max_kv_loads_per_step,
             ),
             self.kv,
         )

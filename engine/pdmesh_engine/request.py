@@ -52,6 +52,8 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     hold_blocks: bool = False  # keep the KV blocks after finishing until released (prefill push)
+    # its KV arrived from elsewhere and it waits for its first admission (the per-step load cap)
+    kv_loaded: bool = False
 
     def __post_init__(self) -> None:
         check_prompt(self.prompt_token_ids)

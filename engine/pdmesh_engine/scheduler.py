@@ -4,6 +4,9 @@ deterministic.
 Each step gets a token budget. Running requests go first (a decode takes one token, an unfinished
 prefill takes a chunk), then waiting requests in arrival order, which reuse cached prefix blocks.
 When blocks run out, the latest running request is preempted and recomputed later.
+With `max_kv_loads_per_step` N, at most N requests whose KV just arrived (`kv_arrived`) join the
+running batch per step; the queue stays in arrival order, so a capped request blocks those behind it
+until the next step.
 No sockets, no devices: the model runner turns a `SchedulerOutput` into a forward pass.
 """
 
@@ -22,6 +25,9 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    # at most this many kv-loaded requests (see `Request.kv_loaded`) are admitted per step;
+    # None or 0: no cap
+    max_kv_loads_per_step: int | None = None
 
 
 @dataclass(slots=True)
@@ -122,6 +128,7 @@ class Scheduler:
                     request.num_cached_tokens,
                 )
         request.status = RequestStatus.WAITING
+        request.kv_loaded = True
         self.waiting.append(request)
         return None
 
@@ -159,8 +166,17 @@ class Scheduler:
         return SchedulerOutput(scheduled, preempted, finished)
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        """Admit waiting requests in arrival order while budget, seats and blocks allow.
+
+        Admission stops at the first kv-loaded request over the `max_kv_loads_per_step` cap (it
+        and everything behind it keep their places for the next step); requests prefilled here
+        and preempted ones (recomputed) are not counted.
+        """
+        cap, num_loads = self.config.max_kv_loads_per_step, 0
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.kv_loaded and cap and num_loads >= cap:
+                break
             prefix: list[int] = []
             computed = request.num_computed_tokens
             if computed == 0:
@@ -174,6 +190,8 @@ class Scheduler:
             if request.num_preemptions == 0 and request.num_output_tokens == 0:
                 request.num_cached_tokens = computed
             request.num_computed_tokens = computed
+            num_loads += request.kv_loaded
+            request.kv_loaded = False
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(self._scheduled(request, num_new, blocks))

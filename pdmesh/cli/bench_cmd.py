@@ -8,7 +8,17 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCHMARKS = ("engine", "forward", "serve", "kvxfer", "allreduce", "decode", "eplb", "chaos")
+BENCHMARKS = (
+    "engine",
+    "forward",
+    "serve",
+    "kvxfer",
+    "allreduce",
+    "decode",
+    "eplb",
+    "chaos",
+    "admission",
+)
 
 
 def register(commands: argparse._SubParsersAction) -> None:

@@ -26,6 +26,7 @@ _FLAGS = {
     "max_model_len": "--max-model-len",
     "num_threads": "--torch-threads",
     "expert_load_window": "--expert-load-window",
+    "max_kv_loads_per_step": "--max-kv-loads-per-step",
 }
 
 
@@ -75,6 +76,15 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
         default=d.expert_load_window,
         help="steps of expert load kept for EPLB",
     )
+    g.add_argument(
+        "--max-kv-loads-per-step",
+        type=int,
+        default=d.max_kv_loads_per_step,
+        metavar="N",
+        help="decode: at most N requests whose prefilled KV just arrived join the running batch "
+        "per step; the rest wait in order for later steps (default: no cap; 0 also means no cap; "
+        "upstream found 4 a good value)",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -90,6 +100,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         num_threads=args.torch_threads,
         expert_load_window=args.expert_load_window,
+        max_kv_loads_per_step=args.max_kv_loads_per_step or None,
     )
 
 
