@@ -151,7 +151,10 @@ class Traffic:
     """Greedy completions of PROMPTS, round after round (4 at once), checked against the offline
     engine."""
 
-    def __init__(self, mesh: Mesh, offline: dict[str, str]) -> None:
+    def __init__(
+        self, mesh: Mesh, offline: dict[str, str], prompts: list[str] | None = None
+    ) -> None:
+        self.prompts = PROMPTS if prompts is None else prompts
         self.client = OpenAI(
             base_url=f"{http_url(mesh)}/v1", api_key="unused", max_retries=0, timeout=60
         )
@@ -164,7 +167,9 @@ class Traffic:
         self.pool = ThreadPoolExecutor(4)
 
     def round(self) -> None:
-        for prompt, text in zip(PROMPTS, self.pool.map(self._complete, PROMPTS), strict=True):
+        for prompt, text in zip(
+            self.prompts, self.pool.map(self._complete, self.prompts), strict=True
+        ):
             self.completed += 1
             if text != self.offline[prompt]:
                 self.mismatches.append((prompt, text, self.offline[prompt]))
@@ -215,13 +220,16 @@ def test_controller_killed_after_a_write_leaves_every_rank_on_that_version(
     )
     traffic.round()  # still serving, outputs unchanged
     start_controller(mesh)
-    rebalance_until_next(mesh, traffic, version)
+    # a load unlike the one V was planned on, so that a plan that moves slots exists (a forced
+    # Rebalance still publishes nothing when no move improves the placement)
+    shifted = Traffic(mesh, offline, prompts=[PROMPTS[2]] * 4)
+    rebalance_until_next(mesh, shifted, version)
     # the chain goes on at V+1
     assert redis_call(mesh, read_placement, INSTANCE, MODEL, version + 1) is not None
     traffic.until(
         lambda: ranks_on_one_version(mesh, version + 1), f"both ranks on {version + 1} or newer"
     )
-    assert traffic.mismatches == []
+    assert traffic.mismatches == [] and shifted.mismatches == []
     assert not mesh.failed()
 
 
