@@ -10,6 +10,10 @@ Bookkeeping invariants (checked by `check_integrity`):
   free (ref 0, no hash); free + cached + in use = total;
 - the evictable queue holds exactly the blocks with ref 0, least recently freed first;
 - a block's ref_count equals the number of requests that hold it.
+
+KV events (with caching on): every hash the pool starts holding (`set_hash`) or stops holding (its
+block evicted or reused) is recorded, and `KVCacheManager.take_events` drains them as a
+`KVCacheEvents` batch (the net change since the last drain, for the kvstore's prefix index).
 """
 
 from __future__ import annotations
@@ -30,10 +34,37 @@ class KVCacheStats:
     prefix_hits: int  # tokens served from the prefix cache
 
 
+MAX_PENDING_EVENTS = 1 << 16  # hashes changed since the last drain; beyond this the batch is lost
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheEvents:
+    """The net change of the pool's hashes since the previous drain.
+
+    `stored` and `removed` are disjoint (a hash stored then evicted within one batch is in
+    `removed`, evicted then stored again in `stored`), so a subscriber may apply them in any order.
+    `is_lost`: more than `MAX_PENDING_EVENTS` hashes changed and the batch was dropped; the
+    subscriber must be sent a snapshot (`BlockPool.cached_hashes`) instead.
+    """
+
+    stored: list[BlockHash]
+    removed: list[BlockHash]
+    is_lost: bool = False
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.stored and not self.removed and not self.is_lost
+
+
 class BlockPool:
     """Block ids with reference counts and prefix hashes; allocation evicts the LRU cached block."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        max_pending_events: int = MAX_PENDING_EVENTS,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks, self.enable_caching = num_blocks, enable_caching
@@ -41,6 +72,9 @@ class BlockPool:
         self.block_hashes: list[BlockHash | None] = [None] * num_blocks
         self.cached: dict[BlockHash, int] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        # hash -> held now (True: stored, False: removed), since the last `take_events`
+        self.pending_events: dict[BlockHash, bool] = {}
+        self.max_pending_events, self.events_lost = max_pending_events, False
 
     @property
     def num_available(self) -> int:
@@ -84,12 +118,36 @@ class BlockPool:
             return
         self.block_hashes[block] = block_hash
         self.cached[block_hash] = block
+        self._record(block_hash, True)
 
     def _drop_hash(self, block: int) -> None:
         block_hash = self.block_hashes[block]
         if block_hash is not None:
             del self.cached[block_hash]
             self.block_hashes[block] = None
+            self._record(block_hash, False)
+
+    def _record(self, block_hash: BlockHash, is_stored: bool) -> None:
+        if self.events_lost:
+            return
+        self.pending_events[block_hash] = is_stored
+        if len(self.pending_events) > self.max_pending_events:
+            self.pending_events.clear()
+            self.events_lost = True
+
+    def take_events(self) -> KVCacheEvents:
+        """Drain the hashes stored and removed since the last call (see `KVCacheEvents`)."""
+        pending, lost = self.pending_events, self.events_lost
+        self.pending_events, self.events_lost = {}, False
+        return KVCacheEvents(
+            [h for h, is_stored in pending.items() if is_stored],
+            [h for h, is_stored in pending.items() if not is_stored],
+            lost,
+        )
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash the pool holds now (in use or evictable): a snapshot for the prefix index."""
+        return list(self.cached)
 
     def check_integrity(self, holders: list[list[int]]) -> None:
         """Raise AssertionError naming the first broken invariant; `holders` are the requests'
@@ -189,6 +247,11 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(request_id, [])
         self.req_hashes.pop(request_id, None)
         self.pool.release(list(reversed(blocks)))
+
+    def take_events(self) -> KVCacheEvents:
+        """The pool's hash changes since the last call (`BlockPool.take_events`); always empty with
+        caching off."""
+        return self.pool.take_events()
 
     def blocks_of(self, request_id: str) -> list[int]:
         return self.req_blocks.get(request_id, [])

@@ -15,7 +15,7 @@ an exception for the expected cases.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
@@ -152,6 +152,29 @@ class KVStoreClient:
     async def get_handoff(self, request_id: str) -> Handoff:
         request = kvstore_pb2.GetHandoffRequest(request_id=request_id)
         return Handoff.from_message(await self._call(self._stub.GetHandoff, request, request_id))
+
+    async def publish_kv_events(
+        self,
+        rank_id: str,
+        seq: int,
+        stored: Sequence[bytes],
+        removed: Sequence[bytes] = (),
+        snapshot: bool = False,
+    ) -> bool:
+        """Send the rank's KV-event batch `seq` (with `snapshot`: every hash it holds, as `stored`)
+        to the prefix index; True when the kvstore asks for a snapshot next (resync)."""
+        request = kvstore_pb2.KVEvents(
+            rank_id=rank_id, seq=seq, stored=stored, removed=removed, snapshot=snapshot
+        )
+        ack = await self._call(self._stub.PublishKVEvents, request)
+        return bool(ack.resync)
+
+    async def longest_prefix(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
+        """Per rank, how many leading blocks of `block_hashes` it holds (ranks holding none are
+        absent)."""
+        request = kvstore_pb2.LongestPrefixRequest(block_hashes=block_hashes)
+        response = await self._call(self._stub.LongestPrefix, request)
+        return dict(response.matched_blocks)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -3,4 +3,5 @@ hand-off record per request (RESERVED → TRANSFERRING → READY → CONSUMED, o
 with its lease as a Redis TTL.
 
 `core` (pure state machine) ← `store` (Redis) ← `servicer` (gRPC) ← `server` (wiring); `client` for
-workers."""
+workers. The global prefix index (`prefix_index`, pure, in memory): KVEvents(pb) → `PrefixIndex` →
+LongestPrefixResponse(pb)."""

@@ -3,6 +3,10 @@
 Start: connect Redis → gRPC server (health NOT_SERVING) → publish `InstanceInfo(role="kvstore")`
 once, then heartbeat it → health SERVING → `ready` set. Cancelled: heartbeat stopped, registry entry
 removed, health NOT_SERVING and server stopped, Redis closed (in that order).
+
+The prefix index (`prefix_index`) lives in this process's memory: a restarted kvstore starts empty
+and asks every rank for a snapshot (resync). Every heartbeat it drops the ranks the registry no
+longer lists, so a rank that died leaves the index within its registry TTL.
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ import asyncio
 import contextlib
 from dataclasses import dataclass
 
+from redis.exceptions import RedisError
+
+from pdmesh_kvstore.prefix_index import PrefixIndex, ranks_to_drop
 from pdmesh_kvstore.servicer import KVStoreServicer
 from pdmesh_kvstore.store import KVStore
 from pdmesh_proto.kvstore.v1 import kvstore_pb2_grpc
@@ -86,8 +93,42 @@ async def serve(config: KVStoreConfig, ready: asyncio.Event | None = None) -> No
         instance_id = common.instance(ROLE, server.port)
         info = InstanceInfo(instance_id, ROLE, common.address(server.port), ready=True)
         await stay_registered(stack, registry, lambda: info, common.heartbeat_s)
+        _start_index_sweep(stack, servicer.index, registry, common.heartbeat_s)
         await server.set_serving(True)
         log.info("serving", role=ROLE, instance=instance_id, address=info.address)
         if ready is not None:
             ready.set()
         await asyncio.Future()  # until cancelled
+
+
+async def sweep_index(index: PrefixIndex, registry: Registry) -> set[str]:
+    """Drop the index's ranks the registry no longer lists; returns them."""
+    gone = ranks_to_drop(index.ranks(), (i.instance_id for i in await registry.instances()))
+    for rank_id in gone:
+        index.drop(rank_id)
+    return gone
+
+
+async def _sweep_forever(index: PrefixIndex, registry: Registry, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            gone = await sweep_index(index, registry)
+        except (RedisError, OSError) as e:  # Redis restarting: the next sweep tries again
+            log.warning("prefix index sweep failed", error=str(e))
+            continue
+        if gone:
+            log.info("dropped ranks gone from the registry", ranks=sorted(gone))
+
+
+def _start_index_sweep(
+    stack: contextlib.AsyncExitStack, index: PrefixIndex, registry: Registry, interval_s: float
+) -> None:
+    """Run `sweep_index` every `interval_s` until `stack` closes."""
+    task = asyncio.ensure_future(_sweep_forever(index, registry, interval_s))
+
+    async def stop() -> None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    stack.push_async_callback(stop)

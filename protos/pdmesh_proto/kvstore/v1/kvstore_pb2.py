@@ -24,15 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%pdmesh_proto/kvstore/v1/kvstore.proto\x12\x11pdmesh.kvstore.v1\"F\n\tAgentInfo\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x10\n\x08metadata\x18\x02 \x01(\x0c\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\"\x17\n\x15RegisterAgentResponse\"%\n\x0fGetAgentRequest\x12\x12\n\nagent_name\x18\x01 \x01(\t\"\xba\x01\n\x07Handoff\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x05state\x18\x02 \x01(\x0e\x32\x1f.pdmesh.kvstore.v1.HandoffState\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x03 \x01(\t\x12\x18\n\x10prefill_instance\x18\x04 \x01(\t\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x10\n\x08lease_ms\x18\x06 \x01(\r\x12\x12\n\nupdated_ms\x18\x07 \x01(\x04\"g\n\x12OpenHandoffRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\"\xad\x01\n\x14UpdateHandoffRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x05state\x18\x02 \x01(\x0e\x32\x1f.pdmesh.kvstore.v1.HandoffState\x12\x18\n\x10prefill_instance\x18\x03 \x01(\t\x12\x37\n\x0e\x65xpected_state\x18\x04 \x01(\x0e\x32\x1f.pdmesh.kvstore.v1.HandoffState\"\'\n\x11GetHandoffRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t*\xd6\x01\n\x0cHandoffState\x12\x1d\n\x19HANDOFF_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16HANDOFF_STATE_RESERVED\x10\x01\x12\x1e\n\x1aHANDOFF_STATE_TRANSFERRING\x10\x02\x12\x17\n\x13HANDOFF_STATE_READY\x10\x03\x12\x1a\n\x16HANDOFF_STATE_CONSUMED\x10\x04\x12\x19\n\x15HANDOFF_STATE_EXPIRED\x10\x05\x12\x1b\n\x17HANDOFF_STATE_CANCELLED\x10\x06\x32\xa8\x03\n\x07KVStore\x12W\n\rRegisterAgent\x12\x1c.pdmesh.kvstore.v1.AgentInfo\x1a(.pdmesh.kvstore.v1.RegisterAgentResponse\x12L\n\x08GetAgent\x12\".pdmesh.kvstore.v1.GetAgentRequest\x1a\x1c.pdmesh.kvstore.v1.AgentInfo\x12P\n\x0bOpenHandoff\x12%.pdmesh.kvstore.v1.OpenHandoffRequest\x1a\x1a.pdmesh.kvstore.v1.Handoff\x12T\n\rUpdateHandoff\x12\'.pdmesh.kvstore.v1.UpdateHandoffRequest\x1a\x1a.pdmesh.kvstore.v1.Handoff\x12N\n\nGetHandoff\x12$.pdmesh.kvstore.v1.GetHandoffRequest\x1a\x1a.pdmesh.kvstore.v1.Handoffb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%pdmesh_proto/kvstore/v1/kvstore.proto\x12\x11pdmesh.kvstore.v1\"F\n\tAgentInfo\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x10\n\x08metadata\x18\x02 \x01(\x0c\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\"\x17\n\x15RegisterAgentResponse\"%\n\x0fGetAgentRequest\x12\x12\n\nagent_name\x18\x01 \x01(\t\"\xba\x01\n\x07Handoff\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x05state\x18\x02 \x01(\x0e\x32\x1f.pdmesh.kvstore.v1.HandoffState\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x03 \x01(\t\x12\x18\n\x10prefill_instance\x18\x04 \x01(\t\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x10\n\x08lease_ms\x18\x06 \x01(\r\x12\x12\n\nupdated_ms\x18\x07 \x01(\x04\"g\n\x12OpenHandoffRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\"\xad\x01\n\x14UpdateHandoffRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x05state\x18\x02 \x01(\x0e\x32\x1f.pdmesh.kvstore.v1.HandoffState\x12\x18\n\x10prefill_instance\x18\x03 \x01(\t\x12\x37\n\x0e\x65xpected_state\x18\x04 \x01(\x0e\x32\x1f.pdmesh.kvstore.v1.HandoffState\"\'\n\x11GetHandoffRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"[\n\x08KVEvents\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0e\n\x06stored\x18\x03 \x03(\x0c\x12\x0f\n\x07removed\x18\x04 \x03(\x0c\x12\x10\n\x08snapshot\x18\x05 \x01(\x08\"\x1d\n\x0bKVEventsAck\x12\x0e\n\x06resync\x18\x01 \x01(\x08\",\n\x14LongestPrefixRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"\xa2\x01\n\x15LongestPrefixResponse\x12S\n\x0ematched_blocks\x18\x01 \x03(\x0b\x32;.pdmesh.kvstore.v1.LongestPrefixResponse.MatchedBlocksEntry\x1a\x34\n\x12MatchedBlocksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01*\xd6\x01\n\x0cHandoffState\x12\x1d\n\x19HANDOFF_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16HANDOFF_STATE_RESERVED\x10\x01\x12\x1e\n\x1aHANDOFF_STATE_TRANSFERRING\x10\x02\x12\x17\n\x13HANDOFF_STATE_READY\x10\x03\x12\x1a\n\x16HANDOFF_STATE_CONSUMED\x10\x04\x12\x19\n\x15HANDOFF_STATE_EXPIRED\x10\x05\x12\x1b\n\x17HANDOFF_STATE_CANCELLED\x10\x06\x32\xdc\x04\n\x07KVStore\x12W\n\rRegisterAgent\x12\x1c.pdmesh.kvstore.v1.AgentInfo\x1a(.pdmesh.kvstore.v1.RegisterAgentResponse\x12L\n\x08GetAgent\x12\".pdmesh.kvstore.v1.GetAgentRequest\x1a\x1c.pdmesh.kvstore.v1.AgentInfo\x12P\n\x0bOpenHandoff\x12%.pdmesh.kvstore.v1.OpenHandoffRequest\x1a\x1a.pdmesh.kvstore.v1.Handoff\x12T\n\rUpdateHandoff\x12\'.pdmesh.kvstore.v1.UpdateHandoffRequest\x1a\x1a.pdmesh.kvstore.v1.Handoff\x12N\n\nGetHandoff\x12$.pdmesh.kvstore.v1.GetHandoffRequest\x1a\x1a.pdmesh.kvstore.v1.Handoff\x12N\n\x0fPublishKVEvents\x12\x1b.pdmesh.kvstore.v1.KVEvents\x1a\x1e.pdmesh.kvstore.v1.KVEventsAck\x12\x62\n\rLongestPrefix\x12\'.pdmesh.kvstore.v1.LongestPrefixRequest\x1a(.pdmesh.kvstore.v1.LongestPrefixResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdmesh_proto.kvstore.v1.kvstore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_HANDOFFSTATE']._serialized_start=708
-  _globals['_HANDOFFSTATE']._serialized_end=922
+  _globals['_LONGESTPREFIXRESPONSE_MATCHEDBLOCKSENTRY']._loaded_options = None
+  _globals['_LONGESTPREFIXRESPONSE_MATCHEDBLOCKSENTRY']._serialized_options = b'8\001'
+  _globals['_HANDOFFSTATE']._serialized_start=1043
+  _globals['_HANDOFFSTATE']._serialized_end=1257
   _globals['_AGENTINFO']._serialized_start=60
   _globals['_AGENTINFO']._serialized_end=130
   _globals['_REGISTERAGENTRESPONSE']._serialized_start=132
@@ -47,6 +49,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UPDATEHANDOFFREQUEST']._serialized_end=664
   _globals['_GETHANDOFFREQUEST']._serialized_start=666
   _globals['_GETHANDOFFREQUEST']._serialized_end=705
-  _globals['_KVSTORE']._serialized_start=925
-  _globals['_KVSTORE']._serialized_end=1349
+  _globals['_KVEVENTS']._serialized_start=707
+  _globals['_KVEVENTS']._serialized_end=798
+  _globals['_KVEVENTSACK']._serialized_start=800
+  _globals['_KVEVENTSACK']._serialized_end=829
+  _globals['_LONGESTPREFIXREQUEST']._serialized_start=831
+  _globals['_LONGESTPREFIXREQUEST']._serialized_end=875
+  _globals['_LONGESTPREFIXRESPONSE']._serialized_start=878
+  _globals['_LONGESTPREFIXRESPONSE']._serialized_end=1040
+  _globals['_LONGESTPREFIXRESPONSE_MATCHEDBLOCKSENTRY']._serialized_start=988
+  _globals['_LONGESTPREFIXRESPONSE_MATCHEDBLOCKSENTRY']._serialized_end=1040
+  _globals['_KVSTORE']._serialized_start=1260
+  _globals['_KVSTORE']._serialized_end=1864
 # @@protoc_insertion_point(module_scope)

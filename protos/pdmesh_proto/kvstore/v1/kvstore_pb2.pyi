@@ -1,6 +1,8 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -89,3 +91,42 @@ class GetHandoffRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class KVEvents(_message.Message):
+    __slots__ = ("rank_id", "seq", "stored", "removed", "snapshot")
+    RANK_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    rank_id: str
+    seq: int
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    snapshot: bool
+    def __init__(self, rank_id: _Optional[str] = ..., seq: _Optional[int] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., snapshot: _Optional[bool] = ...) -> None: ...
+
+class KVEventsAck(_message.Message):
+    __slots__ = ("resync",)
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
+    resync: bool
+    def __init__(self, resync: _Optional[bool] = ...) -> None: ...
+
+class LongestPrefixRequest(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LongestPrefixResponse(_message.Message):
+    __slots__ = ("matched_blocks",)
+    class MatchedBlocksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    matched_blocks: _containers.ScalarMap[str, int]
+    def __init__(self, matched_blocks: _Optional[_Mapping[str, int]] = ...) -> None: ...

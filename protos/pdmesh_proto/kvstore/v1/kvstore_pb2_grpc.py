@@ -60,6 +60,16 @@ class KVStoreStub:
                 request_serializer=pdmesh__proto_dot_kvstore_dot_v1_dot_kvstore__pb2.GetHandoffRequest.SerializeToString,
                 response_deserializer=pdmesh__proto_dot_kvstore_dot_v1_dot_kvstore__pb2.Handoff.FromString,
                 _registered_method=True)
+        self.PublishKVEvents = channel.unary_unary(
+                '/pdmesh.kvstore.v1.KVStore/PublishKVEvents',
+                request_serializer=pdmesh__proto_dot_kvstore_dot_v1_dot_kvstore__pb2.KVEvents.SerializeToString,
+                response_deserializer=pdmesh__proto_dot_kvstore_dot_v1_dot_kvstore__pb2.KVEventsAck.FromString,
+                _registered_method=True)
+        self.LongestPrefix = channel.unary_unary(
+                '/pdmesh.kvstore.v1.KVStore/LongestPrefix',
+                request_serializer=pdmesh__proto_dot_kvstore_dot_v1_dot_kvstore__pb2.LongestPrefixRequest.SerializeToString,
+                response_deserializer=pdmesh__proto_dot_kvstore_dot_v1_dot_kvstore__pb2.LongestPrefixResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -104,6 +114,22 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PublishKVEvents(self, request, context):
+        """A rank's next batch of prefix-cache changes for the global prefix index (or, with snapshot set,
+        every block hash it holds). Answers resync when the batch does not follow the last one the
+        index applied for the rank (a batch was lost, the kvstore restarted): send a snapshot next.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LongestPrefix(self, request, context):
+        """Per rank, how many leading blocks of a prompt it holds in its prefix cache.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +157,16 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.GetHandoff,
                     request_deserializer=pdmesh__proto_dot_kvstore_dot_v1_dot_kvstore__pb2.GetHandoffRequest.FromString,
                     response_serializer=pdmesh__proto_dot_kvstore_dot_v1_dot_kvstore__pb2.Handoff.SerializeToString,
+            ),
+            'PublishKVEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.PublishKVEvents,
+                    request_deserializer=pdmesh__proto_dot_kvstore_dot_v1_dot_kvstore__pb2.KVEvents.FromString,
+                    response_serializer=pdmesh__proto_dot_kvstore_dot_v1_dot_kvstore__pb2.KVEventsAck.SerializeToString,
+            ),
+            'LongestPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.LongestPrefix,
+                    request_deserializer=pdmesh__proto_dot_kvstore_dot_v1_dot_kvstore__pb2.LongestPrefixRequest.FromString,
+                    response_serializer=pdmesh__proto_dot_kvstore_dot_v1_dot_kvstore__pb2.LongestPrefixResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -269,6 +305,60 @@ class KVStore:
             '/pdmesh.kvstore.v1.KVStore/GetHandoff',
             pdmesh__proto_dot_kvstore_dot_v1_dot_kvstore__pb2.GetHandoffRequest.SerializeToString,
             pdmesh__proto_dot_kvstore_dot_v1_dot_kvstore__pb2.Handoff.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.kvstore.v1.KVStore/PublishKVEvents',
+            pdmesh__proto_dot_kvstore_dot_v1_dot_kvstore__pb2.KVEvents.SerializeToString,
+            pdmesh__proto_dot_kvstore_dot_v1_dot_kvstore__pb2.KVEventsAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LongestPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.kvstore.v1.KVStore/LongestPrefix',
+            pdmesh__proto_dot_kvstore_dot_v1_dot_kvstore__pb2.LongestPrefixRequest.SerializeToString,
+            pdmesh__proto_dot_kvstore_dot_v1_dot_kvstore__pb2.LongestPrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,

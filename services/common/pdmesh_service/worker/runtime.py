@@ -4,9 +4,10 @@
 rank's `WorkerMetrics`, publishes the agent's metadata in the kvstore, builds the role's `Worker`
 from those parts (`WorkerSpec.make_worker`: the role that runs in the engine thread and the servicer
 over it), starts the engine thread with that role and the gRPC server, then heartbeats
-`InstanceInfo(ready=True, stats=...)` (and sets the load gauges) until cancelled; on the way out it
-deregisters, stops serving, closes the role, aborts everything in the engine and closes its clients
-(in that order).
+`InstanceInfo(ready=True, stats=...)` (and sets the load gauges) and, with prefix caching on,
+publishes the pool's KV events to the kvstore's prefix index (`worker.kv_events`, rank id = the
+instance id) until cancelled; on the way out it stops publishing, deregisters, stops serving, closes
+the role, aborts everything in the engine and closes its clients (in that order).
 
 A DEP rank (`DEPOptions.is_rank`; its `common` comes from `dep_instance.rank_common`) first joins
 its instance's group, builds the engine with its share of the experts, registers as `<id>-r<rank>`
@@ -44,6 +45,7 @@ from pdmesh_service.worker.convert import heartbeat_stats
 from pdmesh_service.worker.dep_instance import DEPOptions, master_addr
 from pdmesh_service.worker.engine_loop import EngineLoop, EngineRole
 from pdmesh_service.worker.eplb_agent import EPLBAgentConfig, base_instance, run_eplb_agent
+from pdmesh_service.worker.kv_events import start_kv_event_publisher
 from pdmesh_service.worker.metrics import WorkerMetrics
 
 if TYPE_CHECKING:
@@ -200,6 +202,8 @@ async def run_worker(
             on_missing=lambda: kvstore.register_agent(instance_id, agent.metadata(), instance_id),
         )
         await server.set_serving(True)
+        if engine_config.enable_prefix_caching:
+            _stop_with(stack, start_kv_event_publisher(loop, kvstore, instance_id))
         if dep is not None and dep.eplb_report_s > 0:
             _start_eplb_agent(
                 stack,
@@ -252,7 +256,11 @@ def _start_eplb_agent(
 ) -> None:
     """Run the rank's EPLB agent (worker.eplb_agent) until `stack` closes (first: before Redis and
     the loop)."""
-    task = asyncio.ensure_future(run_eplb_agent(loop, redis, config))
+    _stop_with(stack, asyncio.ensure_future(run_eplb_agent(loop, redis, config)))
+
+
+def _stop_with(stack: contextlib.AsyncExitStack, task: asyncio.Future[None]) -> None:
+    """Cancel `task` (and wait for it) when `stack` closes."""
 
     async def stop() -> None:
         task.cancel()
