@@ -64,6 +64,7 @@ class MeshOptions:
     # gateway admission per prefill rank (None: the gateway's default)
     max_prefill_inflight: int | None = None
     eplb_args: tuple[str, ...] = ()  # options of the EPLB controller (`pdmesh serve eplb --help`)
+    gateway_args: tuple[str, ...] = ()  # routing options of the gateway (`pdmesh serve gateway`)
     restart_policy: RestartPolicy = RestartPolicy()  # max_restarts=0: a death stops the mesh
     mesh_token: str = field(default="", repr=False)  # shared by the services; "": a random one
     api_key: str = field(default="", repr=False)  # the gateway's API key; "": none
@@ -186,6 +187,7 @@ def plan_mesh(
     )
     if options.max_prefill_inflight is not None:
         gateway_argv += ("--max-prefill-inflight", str(options.max_prefill_inflight))
+    gateway_argv += options.gateway_args
     specs.append(ServiceSpec("gateway-0", "gateway", f"{host}:{options.grpc_port}", gateway_argv))
     return specs
 

@@ -66,9 +66,12 @@ def register(commands: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="requests per prefill rank between Reserve and the end of Prefill; others queue at "
-        "the "
-        "gateway (default: the gateway's)",
+        "the gateway (default: the gateway's)",
     )
+    routing = p.add_argument_group("routing (the gateway's; `pdmesh serve gateway --help`)")
+    routing.add_argument("--prefill-routing", choices=["cache-aware", "least-loaded"])
+    routing.add_argument("--local-prefill-tokens", metavar="off|auto|N")
+    routing.add_argument("--decode-balance", choices=["requests", "kv-tokens"])
     g = p.add_argument_group(
         "EPLB controller (started with the mesh; balances the experts of DEP instances)"
     )
@@ -119,6 +122,16 @@ def eplb_argv(args: argparse.Namespace) -> tuple[str, ...]:
     return argv
 
 
+def gateway_argv(args: argparse.Namespace) -> tuple[str, ...]:
+    """The routing options given, as gateway arguments (the gateway checks them)."""
+    argv: tuple[str, ...] = ()
+    for name in ("prefill_routing", "local_prefill_tokens", "decode_balance"):
+        value = getattr(args, name, None)
+        if value is not None:
+            argv += ("--" + name.replace("_", "-"), str(value))
+    return argv
+
+
 def run(args: argparse.Namespace) -> int:
     from pdmesh.launcher import Mesh, MeshOptions
 
@@ -141,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
         dp_sync=args.dp_sync,
         max_prefill_inflight=args.max_prefill_inflight,
         eplb_args=eplb_argv(args),
+        gateway_args=gateway_argv(args),
         restart_policy=RestartPolicy(max_restarts=args.max_restarts),
         mesh_token=os.environ.get(MESH_TOKEN_ENV, ""),  # "": the launcher makes one
         api_key=args.api_key,

@@ -1,7 +1,11 @@
-"""Helpers for the end-to-end tests: addresses of a running mesh and its workers' status."""
+"""Helpers for the end-to-end tests: addresses of a running mesh, its workers' status, killing and
+restarting its services, the heartbeat they run with."""
 
 from __future__ import annotations
 
+import argparse
+import os
+import signal
 import time
 
 import grpc
@@ -75,3 +79,35 @@ def wait_idle(mesh: Mesh, timeout_s: float = 30.0) -> dict[str, list]:
         if not busy or time.monotonic() > deadline:
             return statuses
         time.sleep(0.2)
+
+
+def kill(mesh: Mesh, name: str, timeout_s: float = 10.0) -> int:
+    """SIGKILL a service's current process and reap it; its pid."""
+    pid = mesh.pid_of(name)
+    assert pid is not None, f"{name} is not running"
+    os.kill(pid, signal.SIGKILL)
+    mesh.processes[name].wait(timeout_s)
+    return pid
+
+
+def respawn(mesh: Mesh, name: str) -> int:
+    """Start a service again with the argv and environment the launcher gave it (what the
+    supervisor does after a death); the new pid. The caller waits for it to serve."""
+    [spec] = [s for s in mesh.specs if s.name == name]
+    mesh._spawn(spec)
+    pid = mesh.pid_of(name)
+    assert pid is not None, mesh.log_tail(name)
+    return pid
+
+
+def heartbeat_s(mesh: Mesh, name: str) -> float:
+    """The heartbeat interval a service runs with: its --heartbeat-s as the service parses it from
+    the argv and environment the launcher gives it (PDMESH_HEARTBEAT_S, else the default)."""
+    from pdmesh_service.options import add_common_arguments
+
+    [spec] = [s for s in mesh.specs if s.name == name]
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_common_arguments(parser, environ=mesh.environment(spec))
+    role_args = spec.argv[spec.argv.index("serve") + 2 :]
+    args, _ = parser.parse_known_args(role_args)
+    return float(args.heartbeat_s)

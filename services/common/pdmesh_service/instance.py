@@ -68,6 +68,8 @@ class InstanceInfo:
     ready: bool = False
     stats: Load = field(default_factory=Load)
     http_port: int = 0  # a gateway's OpenAI REST port; 0 for the other roles
+    # tokens per KV block of a worker whose prefix cache publishes to the kvstore's index; 0: none
+    block_size: int = 0
     updated_ms: int = 0
 
     def __post_init__(self) -> None:

@@ -70,6 +70,9 @@ class GenerationRequest:
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     model: str
+    # the DP rank of the ranks its prompt goes to (a prefill rank; a decode rank when decode
+    # computes it), from the X-Data-Parallel-Rank header; None: any
+    dp_rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    prefill_path: str = ""  # disagg, local or agg (`start.Path`); "": not known
 
     @property
     def total_tokens(self) -> int:

@@ -58,6 +58,25 @@ class GatewayMetrics:
             "Request starts tried again before the first token (a failed rank, a lost hand-off)",
             registry=registry,
         )
+        self.prefill_paths = Counter(
+            "pdmesh_gateway_prefill_paths",
+            "Requests started, by where their prompt was computed: disagg (a prefill rank, KV over "
+            "NIXL), local (conditional disaggregation: the decode rank), agg (the decode rank: agg "
+            "mode or no prefill rank up)",
+            ["path"],
+            registry=registry,
+        )
+        self.prefix_lookups = Counter(
+            "pdmesh_gateway_prefix_lookups",
+            "Prefix-index lookups for routing, by result (ok, failed: routed on load alone)",
+            ["result"],
+            registry=registry,
+        )
+        self.local_prefill_threshold = Gauge(
+            "pdmesh_gateway_local_prefill_threshold_tokens",
+            "Uncached prompt tokens up to which the decode rank prefills itself (0: never)",
+            registry=registry,
+        )
         self.prompt_tokens = Counter("pdmesh_prompt_tokens", "Prompt tokens", registry=registry)
         self.generation_tokens = Counter(
             "pdmesh_generation_tokens", "Generated tokens", registry=registry

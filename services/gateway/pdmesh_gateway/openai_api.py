@@ -313,8 +313,17 @@ def usage_dict(usage: Usage | None) -> dict[str, Any]:
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "prompt_tokens_details": _prompt_details(usage),
     }
+
+
+def _prompt_details(usage: Usage) -> dict[str, Any]:
+    """cached_tokens (OpenAI's), and pdmesh's prefill_path: where the prompt was computed (disagg:
+    a prefill rank; local: its decode rank, by conditional disaggregation; agg: its decode rank)."""
+    details: dict[str, Any] = {"cached_tokens": usage.cached_tokens}
+    if usage.prefill_path:
+        details["prefill_path"] = usage.prefill_path
+    return details
 
 
 def error_body(error: MeshError) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from enum import Enum
 from typing import Any
 
 from pdmesh_gateway.orchestrator import Mode
+from pdmesh_gateway.start import Path
 from pdmesh_service.convert import FINISH_REASON_OF
 from pdmesh_service.eplb_protocol import RebalanceRecord
 from pdmesh_service.instance import InstanceInfo, Role
@@ -144,7 +145,13 @@ def response_schemas() -> dict[str, Any]:
             "prompt_tokens": integer(0),
             "completion_tokens": integer(0),
             "total_tokens": integer(0),
-            "prompt_tokens_details": obj({"cached_tokens": integer(0)}, ("cached_tokens",)),
+            "prompt_tokens_details": obj(
+                {
+                    "cached_tokens": integer(0),
+                    "prefill_path": {"type": "string", "enum": [str(p) for p in Path]},
+                },
+                ("cached_tokens",),
+            ),
         },
         ("prompt_tokens", "completion_tokens", "total_tokens"),
     )

@@ -36,6 +36,7 @@ from pdmesh_gateway.migration import (
 from pdmesh_gateway.progress import RequestProgress
 from pdmesh_gateway.retry import Exclusions, RetryPolicy
 from pdmesh_gateway.router import Router
+from pdmesh_gateway.routing import RoutingConfig
 from pdmesh_gateway.start import (
     DEFAULT_MAX_ATTEMPTS,
     DEFAULT_MAX_PREFILL_INFLIGHT,
@@ -79,6 +80,7 @@ class Orchestrator:
         handoff_retries: int = 2,
         max_migrations: int = DEFAULT_MAX_MIGRATIONS,
         unroutable_wait_s: float = DEFAULT_UNROUTABLE_WAIT_S,
+        routing: RoutingConfig = RoutingConfig(),
         workers: WorkerClient | None = None,  # default: one without mesh credentials
     ) -> None:
         if max_migrations < 0:
@@ -99,6 +101,7 @@ class Orchestrator:
             ),
             max_prefill_inflight=max_prefill_inflight,
             unroutable_wait_s=unroutable_wait_s,
+            routing=routing,
         )
         self.active = 0
 
@@ -141,6 +144,8 @@ class Orchestrator:
         try:
             while attempt is not None:
                 stream = await self.starter.start(attempt, deadline, excluded, tries)
+                if not progress.prefill_path:  # the first start's (a continuation re-prefills)
+                    progress.prefill_path = stream.prefill_path
                 try:
                     async for event in self._relay(stream, progress):
                         if event.finish_reason is not None:

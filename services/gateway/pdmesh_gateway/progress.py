@@ -35,6 +35,7 @@ class RequestProgress:
         self.text = TextStream(detokenizer, params.stop, params.include_stop_str_in_output)
         self.output_ids: list[int] = []
         self.num_cached_tokens = 0
+        self.prefill_path = ""  # where the first start computed the prompt (`start.Path`)
         self.num_migrations = 0
         self.started_at, self.first_token_at, self.ended_at = time.monotonic(), 0.0, 0.0
         self.finished = False
@@ -80,6 +81,6 @@ class RequestProgress:
         else:
             finish = chunk.finish_reason
             stop_reason = (chunk.stop_token_id or None) if finish == "stop" else None
-        usage = Usage(num_prompt_tokens, self.num_tokens, self.num_cached_tokens)
+        usage = Usage(num_prompt_tokens, self.num_tokens, self.num_cached_tokens, self.prefill_path)
         self.finished, self.ended_at = True, time.monotonic()
         return GenerationEvent(tuple(token_ids), text, tuple(logprobs), finish, stop_reason, usage)

@@ -13,7 +13,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -38,6 +38,7 @@ from pdmesh_gateway.openai_api import (
 from pdmesh_gateway.openapi import build_openapi
 from pdmesh_gateway.orchestrator import Mode, Orchestrator
 from pdmesh_gateway.router import health
+from pdmesh_gateway.start import Starter
 from pdmesh_service.eplb_protocol import summarize_all
 from pdmesh_service.errors import InvalidArgument, MeshError, PayloadTooLarge
 from pdmesh_service.logging import get_logger
@@ -80,6 +81,38 @@ def restarts_view(redis: aioredis.Redis, deployment: str) -> RestartsView:
 
 class ClientGone(Exception):
     """The HTTP client disconnected before the response was ready."""
+
+
+DP_RANK_HEADER = "x-data-parallel-rank"
+
+
+def _dp_rank(request: Request) -> int | None:
+    """The X-Data-Parallel-Rank header (as vLLM's): the DP rank of the ranks that compute the
+    prompt; absent: None."""
+    raw = request.headers.get(DP_RANK_HEADER)
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise InvalidArgument(f"X-Data-Parallel-Rank must be an integer >= 0, got {raw!r}")
+    return value
+
+
+def routing_view(starter: Starter) -> dict[str, Any]:
+    handoffs = starter.handoffs
+    return {
+        "prefill": str(starter.routing.prefill),
+        "decode_balance": str(starter.routing.decode_balance),
+        "local_prefill": str(starter.routing.local_prefill),
+        "local_prefill_threshold_tokens": starter.local_threshold,
+        "handoff_overhead_ms": round(handoffs.overhead_s * 1e3, 3),
+        "prefill_tokens_per_s": round(handoffs.tokens_per_s, 1),
+        "handoffs_measured": handoffs.samples,
+        "prefill_paths": dict(starter.paths),
+    }
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -225,6 +258,9 @@ class _Handlers:
         except MeshError as e:
             self.orchestrator.metrics.rejected(e)
             raise
+        pin = _dp_rank(request)
+        if pin is not None:
+            api_request = replace(api_request, request=replace(api_request.request, dp_rank=pin))
         request_id = api_request.request.request_id
         shaper = Shaper(api_request, self.tokenizer)
         events = self.orchestrator.generate(api_request.request)
@@ -271,7 +307,8 @@ class _Handlers:
         """`instances`: every registered instance rank with its role, rank, address, readiness and
         load; `eplb`: what /mesh/eplb lists (expert placements per instance and model); `restarts`:
         per service that its supervisor restarted, how often, its last exit code and when (null
-        while Redis cannot be read)."""
+        while Redis cannot be read); `routing`: the routing settings, the local-prefill threshold in
+        force, the hand-off costs measured, and requests started per prefill path."""
         now_ms = int(time.time() * 1000)
         instances = [
             {**asdict(i), "age_ms": max(now_ms - i.updated_ms, 0)}
@@ -288,6 +325,7 @@ class _Handlers:
                 "instances": instances,
                 "eplb": await self.eplb() if self.eplb is not None else [],
                 "restarts": restarts,
+                "routing": routing_view(self.orchestrator.starter),
             }
         )
 

@@ -3,7 +3,8 @@
 Policy: only `ready` instances are routable.
 - decode: fewest requests, counted as the rank's last heartbeat (`Load.num_running + num_waiting`)
   plus the requests this gateway sent it since that heartbeat (heartbeats lag; without this, a burst
-  would all go to the same idle rank).
+  would all go to the same idle rank). With `DecodeBalance.KV_TOKENS`: fewest KV tokens (the
+  heartbeat's blocks in use plus the prompts sent since), then fewest requests.
 - prefill: fewest requests this gateway has in flight on it. (The orchestrator admits requests to
   prefill ranks through `admission.PrefillAdmission`, the same policy with a per-rank cap and a
   queue.)
@@ -17,6 +18,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable
 
+from pdmesh_gateway.routing import DecodeBalance
 from pdmesh_service.errors import Unavailable
 from pdmesh_service.instance import InstanceInfo, Role
 from pdmesh_service.logging import get_logger
@@ -39,13 +41,18 @@ class Router:
     """`gone_after_s`: how long a rank may be missing from the registry view before calls open to
     it are abandoned (`is_live`); a short gap (Redis restarted, a late heartbeat) is not a death."""
 
-    def __init__(self, gone_after_s: float = DEFAULT_GONE_AFTER_S) -> None:
-        self.gone_after_s = gone_after_s
+    def __init__(
+        self,
+        gone_after_s: float = DEFAULT_GONE_AFTER_S,
+        decode_balance: DecodeBalance = DecodeBalance.REQUESTS,
+    ) -> None:
+        self.gone_after_s, self.decode_balance = gone_after_s, DecodeBalance(decode_balance)
         self._instances: list[InstanceInfo] = []
         self._seen: dict[str, float] = {}  # instance id -> when last seen ready (time.monotonic)
         self._updated = 0.0  # when the view was last replaced
         self.refresh_error: str | None = None  # why the last registry read failed (None: it worked)
-        self._sent: dict[str, list[int]] = {}  # decode id -> send times (ms) since its heartbeat
+        # decode id -> (send time ms, prompt tokens) of the requests sent since its heartbeat
+        self._sent: dict[str, list[tuple[int, int]]] = {}
         self._prefill_in_flight: dict[str, int] = {}
         self._last: dict[Role, str] = {}  # role -> id picked last
 
@@ -56,7 +63,7 @@ class Router:
         self._seen.update((i.instance_id, now) for i in self._instances if i.ready)
         stamps = {i.instance_id: i.updated_ms for i in self._instances}
         self._sent = {
-            k: [t for t in v if t > stamps[k]] for k, v in self._sent.items() if k in stamps
+            k: [(t, n) for t, n in v if t > stamps[k]] for k, v in self._sent.items() if k in stamps
         }
 
     def snapshot(self) -> list[InstanceInfo]:
@@ -74,12 +81,16 @@ class Router:
         seen = self._seen.get(instance_id)
         return seen is not None and self._updated - seen <= self.gone_after_s
 
-    def decode_load(self, info: InstanceInfo) -> int:
-        load = info.stats
-        return load.num_running + load.num_waiting + len(self._sent.get(info.instance_id, ()))
+    def decode_load(self, info: InstanceInfo) -> tuple[int, ...]:
+        load, sent = info.stats, self._sent.get(info.instance_id, ())
+        requests = load.num_running + load.num_waiting + len(sent)
+        if self.decode_balance is DecodeBalance.KV_TOKENS:
+            held = load.num_kv_blocks_used * max(info.block_size, 1)
+            return held + sum(n for _, n in sent), requests
+        return (requests,)
 
-    def prefill_load(self, info: InstanceInfo) -> int:
-        return self._prefill_in_flight.get(info.instance_id, 0)
+    def prefill_load(self, info: InstanceInfo) -> tuple[int, ...]:
+        return (self._prefill_in_flight.get(info.instance_id, 0),)
 
     def pick_decode(self, exclude: Iterable[str] = ()) -> InstanceInfo:
         return self._pick(Role.DECODE, self.decode_load, exclude)
@@ -88,7 +99,7 @@ class Router:
         return self._pick(Role.PREFILL, self.prefill_load, exclude)
 
     def _pick(
-        self, role: Role, load: Callable[[InstanceInfo], int], exclude: Iterable[str]
+        self, role: Role, load: Callable[[InstanceInfo], tuple[int, ...]], exclude: Iterable[str]
     ) -> InstanceInfo:
         excluded = set(exclude)
         candidates = [i for i in self.ready(role) if i.instance_id not in excluded]
@@ -101,9 +112,11 @@ class Router:
         self._last[role] = choice.instance_id
         return choice
 
-    def note_sent(self, instance_id: str, now_ms: int | None = None) -> None:
-        """A request went to this decode rank (counted until a later heartbeat)."""
-        self._sent.setdefault(instance_id, []).append(_now_ms() if now_ms is None else now_ms)
+    def note_sent(self, instance_id: str, now_ms: int | None = None, tokens: int = 0) -> None:
+        """A request with `tokens` prompt tokens went to this decode rank (counted until a later
+        heartbeat)."""
+        sent = (_now_ms() if now_ms is None else now_ms, tokens)
+        self._sent.setdefault(instance_id, []).append(sent)
 
     def prefill_started(self, instance_id: str) -> None:
         self._prefill_in_flight[instance_id] = self._prefill_in_flight.get(instance_id, 0) + 1

@@ -31,6 +31,7 @@ from pdmesh_gateway.orchestrator import (
 )
 from pdmesh_gateway.rest import DEFAULT_MAX_BODY_BYTES, create_app, eplb_view, restarts_view
 from pdmesh_gateway.router import Router, refresh_forever
+from pdmesh_gateway.routing import DecodeBalance, LocalPrefill, PrefillRouting, RoutingConfig
 from pdmesh_gateway.servicer import SERVICE_NAME, GenerateServicer, add_to_server
 from pdmesh_gateway.upstream import WorkerClient
 from pdmesh_service.grpc_server import MeshAuth, start_grpc_server
@@ -71,6 +72,7 @@ class GatewayConfig:
     max_body_mb: float = DEFAULT_MAX_BODY_BYTES / (1 << 20)  # REST bodies over this get 413
     max_migrations: int = DEFAULT_MAX_MIGRATIONS  # continuations of a request after rank losses
     unroutable_wait_s: float = DEFAULT_UNROUTABLE_WAIT_S  # wait for a decode rank before 503
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
     # REST /v1 and /mesh and the gRPC API need `Bearer <api_key>` (auth.py); "": open
     api_key: str = field(default="", repr=False)
 
@@ -149,6 +151,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(then it ends with an error event)",
     )
     g.add_argument(
+        "--prefill-routing",
+        type=PrefillRouting,
+        choices=list(PrefillRouting),
+        default=PrefillRouting.CACHE_AWARE,
+        help="cache-aware: the prefill rank with the least work for the prompt (the tokens it "
+        "does not hold, from the kvstore's prefix index, plus its queue); least-loaded: fewest "
+        "requests in flight (default: %(default)s)",
+    )
+    g.add_argument(
+        "--local-prefill-tokens",
+        type=LocalPrefill.parse,
+        default=LocalPrefill(),
+        metavar="off|auto|N",
+        help="conditional disaggregation: a prompt whose uncached part on its decode rank is at "
+        "most N tokens is prefilled there, with no hand-off; auto: N = the measured hand-off "
+        "overhead x prefill speed; off: every prompt goes to a prefill rank (default: off)",
+    )
+    g.add_argument(
+        "--decode-balance",
+        type=DecodeBalance,
+        choices=list(DecodeBalance),
+        default=DecodeBalance.REQUESTS,
+        help="rank decode ranks by requests (running + waiting) or by KV tokens held "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
         "--unroutable-wait-s",
         type=float,
         default=DEFAULT_UNROUTABLE_WAIT_S,
@@ -189,6 +217,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_body_mb=args.max_body_mb,
         max_migrations=args.max_migrations,
         unroutable_wait_s=args.unroutable_wait_s,
+        routing=RoutingConfig(args.prefill_routing, args.local_prefill_tokens, args.decode_balance),
         api_key=api_key_from(args),
     )
 
@@ -238,7 +267,7 @@ async def serve(config: GatewayConfig, ready: asyncio.Event | None = None) -> No
     model = load_model_info(config)
     redis = connect(common.redis_url)
     registry = Registry(redis, common.deployment)
-    router = Router()
+    router = Router(decode_balance=config.routing.decode_balance)
     metrics = GatewayMetrics(REGISTRY)  # the one set of this process (/metrics exposes REGISTRY)
     orchestrator = Orchestrator(
         router,
@@ -249,6 +278,7 @@ async def serve(config: GatewayConfig, ready: asyncio.Event | None = None) -> No
         max_prefill_inflight=config.max_prefill_inflight,
         max_migrations=config.max_migrations,
         unroutable_wait_s=config.unroutable_wait_s,
+        routing=config.routing,
         workers=WorkerClient(MeshAuth.from_config(common)),
     )
     servicer = GenerateServicer(orchestrator, tokenizer, model)

@@ -3,7 +3,9 @@
 
 disagg (a prefill rank is up): admission (a slot of a prefill rank, FCFS at the gateway) →
 decode.Reserve → prefill.Prefill(target) → slot released → decode.Decode(first token), returned
-once decode admitted the request. agg, or no prefill rank up: decode.Generate.
+once decode admitted the request. agg, or no prefill rank up: decode.Generate. Which prefill rank,
+and whether a short prompt is prefilled by its decode rank instead (local), is `routing`'s choice
+over the kvstore's prefix index (`prefix_lookup`); the path taken is the stream's `prefill_path`.
 
 Contracts:
 - At most `max_prefill_inflight` requests per prefill rank are between Reserve and the end of their
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Iterator, Sequence
 from enum import StrEnum
 from typing import TypeVar
 
@@ -39,6 +41,7 @@ from pdmesh_gateway.admission import PrefillAdmission
 from pdmesh_gateway.core import GenerationRequest
 from pdmesh_gateway.metrics import GatewayMetrics
 from pdmesh_gateway.migration import tried
+from pdmesh_gateway.prefix_lookup import PrefixLookup
 from pdmesh_gateway.retry import (
     BlocksWait,
     DecodeFull,
@@ -50,6 +53,15 @@ from pdmesh_gateway.retry import (
     StartRetry,
 )
 from pdmesh_gateway.router import NoInstance, Router
+from pdmesh_gateway.routing import (
+    HandoffModel,
+    PrefillCandidate,
+    PrefillRouting,
+    RoutingConfig,
+    choose_prefill,
+    local_threshold,
+    prefills_locally,
+)
 from pdmesh_gateway.upstream import DecodeStream, WorkerClient
 from pdmesh_proto.common.v1 import common_pb2
 from pdmesh_proto.prefill.v1 import prefill_pb2
@@ -67,6 +79,17 @@ DEFAULT_MAX_ATTEMPTS, RETRY_MAX_BACKOFF_S = 16, 1.0
 DEFAULT_UNROUTABLE_WAIT_S = 20.0  # how long a request waits for a decode rank when none is up
 RESERVE_TIMEOUT_S = 15.0  # a Reserve is one engine-thread command: longer means a stuck rank
 LIVENESS_POLL_S = 0.25  # how often an open call checks that its ranks are still registered
+
+
+class Path(StrEnum):
+    """Where a request's prompt was computed."""
+
+    DISAGG = "disagg"  # on a prefill rank, its KV pushed to the decode rank over NIXL
+    LOCAL = "local"  # on its decode rank, by choice (conditional disaggregation)
+    AGG = "agg"  # on its decode rank: agg mode, or no prefill rank up
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class Mode(StrEnum):
@@ -100,9 +123,33 @@ async def while_live(router: Router, call: Awaitable[T], *instance_ids: str) -> 
                 await task
 
 
+class _PrefillChoice:
+    """The cache-aware choice of a prefill rank for one prompt (`routing.choose_prefill` over the
+    ranks' cached tokens and the admission's queued work), as `PrefillAdmission.acquire` calls
+    it; `tokens`: what the last choice costs its rank (given back with the slot)."""
+
+    def __init__(self, starter: Starter, prompt_tokens: int, cached: dict[str, int]) -> None:
+        self.starter, self.prompt_tokens, self.cached = starter, prompt_tokens, cached
+        self.tokens = 0
+
+    def __call__(self, ranks: Sequence[str]) -> tuple[str, int]:
+        admission = self.starter.admission
+        candidates = [
+            PrefillCandidate(
+                r, self.cached.get(r, 0), admission.queued_tokens(r), admission.in_flight(r)
+            )
+            for r in ranks
+        ]
+        best = choose_prefill(self.prompt_tokens, candidates, self.starter.last_prefill)
+        self.starter.last_prefill = best.instance_id
+        self.tokens = self.prompt_tokens - best.cached_tokens
+        return best.instance_id, self.tokens
+
+
 class Starter:
     """Opens requests' decode streams (module docstring). `waiting`: requests waiting at the
-    gateway now (for a prefill slot, decode blocks or a decode rank)."""
+    gateway now (for a prefill slot, decode blocks or a decode rank); `paths`: requests started
+    per `Path`; `handoffs`: the measured cost of hand-offs (the `auto` local-prefill threshold)."""
 
     def __init__(
         self,
@@ -115,13 +162,24 @@ class Starter:
         retry_policy: RetryPolicy,
         max_prefill_inflight: int,
         unroutable_wait_s: float,
+        routing: RoutingConfig,
     ) -> None:
         self.router, self.workers, self.metrics, self.mode = router, workers, metrics, mode
         self.request_timeout_s, self.retry_policy = request_timeout_s, retry_policy
-        self.unroutable_wait_s = unroutable_wait_s
+        self.unroutable_wait_s, self.routing = unroutable_wait_s, routing
         self.admission = PrefillAdmission(max_prefill_inflight)
+        self.lookup = PrefixLookup(router, workers, metrics, routing.lookup_timeout_s)
+        self.handoffs = HandoffModel()
         self.background = Background()  # reservation releases nobody waits for
         self.waiting = 0
+        self.paths = {str(p): 0 for p in Path}
+        self.last_prefill = ""  # the prefill rank chosen last (ties go round robin)
+        metrics.local_prefill_threshold.set(self.local_threshold)
+
+    @property
+    def local_threshold(self) -> int:
+        """Uncached prompt tokens up to which a decode rank prefills itself (0: never)."""
+        return local_threshold(self.routing.local_prefill, self.handoffs)
 
     async def start(
         self,
@@ -133,11 +191,15 @@ class Starter:
         """Open the request's decode stream, tried again as `retry_policy` says (nothing was sent
         yet); with no decode rank to try, wait up to `unroutable_wait_s` for one (a restarting
         rank, a registry refilling after a Redis restart)."""
+        self._check_pin(request)
         loop = asyncio.get_running_loop()
         give_up_at = min(deadline, loop.time() + self.unroutable_wait_s)
         while True:
             try:
-                return await self._start_retrying(request, deadline, excluded, tries)
+                stream = await self._start_retrying(request, deadline, excluded, tries)
+                self.paths[stream.prefill_path] += 1
+                self.metrics.prefill_paths.labels(stream.prefill_path).inc()
+                return stream
             except NoInstance:
                 if not await self._wait_routable(excluded, give_up_at):
                     raise
@@ -179,26 +241,104 @@ class Starter:
 
         return await retrying(start_once)
 
-    def _skipped(self, excluded: Exclusions) -> set[str]:
-        return excluded.blocked(self.router.snapshot())
+    def _check_pin(self, request: GenerationRequest) -> None:
+        """A DP rank that no prefill or decode rank has is the client's error."""
+        if request.dp_rank is None:
+            return
+        ranks = {i.rank for i in self.router.snapshot() if i.role in (Role.PREFILL, Role.DECODE)}
+        if request.dp_rank not in ranks:
+            raise errors.InvalidArgument(
+                f"X-Data-Parallel-Rank {request.dp_rank}: no rank of the mesh has that DP rank "
+                f"(ranks: {sorted(ranks)})"
+            )
+
+    def _skipped(self, excluded: Exclusions, pin: int | None = None) -> set[str]:
+        """Ranks not to use: those `excluded` blocks, and with `pin` those of another DP rank."""
+        skipped = excluded.blocked(self.router.snapshot())
+        if pin is not None:
+            skipped |= {i.instance_id for i in self.router.snapshot() if i.rank != pin}
+        return skipped
+
+    def _prefill_ranks(self, request: GenerationRequest, excluded: Exclusions) -> list[str]:
+        skipped = self._skipped(excluded, request.dp_rank)
+        return [
+            i.instance_id for i in self.router.ready(Role.PREFILL) if i.instance_id not in skipped
+        ]
 
     async def _start_once(
         self, request: GenerationRequest, deadline: float, excluded: Exclusions
     ) -> DecodeStream:
+        path, decode = Path.AGG, None
         if self.mode is Mode.DISAGG:
-            rank = await self._admit(deadline, excluded)
-            if rank is not None:
-                return await self._start_disagg(request, deadline, excluded, rank)
-        decode = self.router.pick_decode(self._skipped(excluded))
+            cached = await self._cached(request, excluded)
+            decode = self._local_decode(request, excluded, cached)
+            if decode is not None:
+                path = Path.LOCAL
+            else:
+                stream = await self._start_remote(request, deadline, excluded, cached)
+                if stream is not None:
+                    return stream
+        if decode is None:
+            decode = self.router.pick_decode(self._skipped(excluded, request.dp_rank))
         timeout = self._timeout(deadline)
-        self.router.note_sent(decode.instance_id)
+        self.router.note_sent(decode.instance_id, tokens=len(request.prompt_ids))
         try:
-            return await while_live(
+            stream = await while_live(
                 self.router, self.workers.generate(decode, request, timeout), decode.instance_id
             )
         except errors.MeshError:
             excluded.add(decode.instance_id)
             raise
+        stream.prefill_path = str(path)
+        return stream
+
+    async def _cached(self, request: GenerationRequest, excluded: Exclusions) -> dict[str, int]:
+        """Per rank, the prompt tokens it holds (what routing needs: prefill ranks for the
+        cache-aware choice, decode ranks for a local prefill); {} when neither is on."""
+        roles = []
+        if self.routing.prefill is PrefillRouting.CACHE_AWARE:
+            roles.append(Role.PREFILL)
+        if self.local_threshold > 0:
+            roles.append(Role.DECODE)
+        skipped = self._skipped(excluded)
+        ranks = [
+            i for role in roles for i in self.router.ready(role) if i.instance_id not in skipped
+        ]
+        return await self.lookup.cached(request.prompt_ids, ranks) if ranks else {}
+
+    def _local_decode(
+        self, request: GenerationRequest, excluded: Exclusions, cached: dict[str, int]
+    ) -> InstanceInfo | None:
+        """The decode rank that prefills this prompt itself (conditional disaggregation: its
+        uncached part there is within the threshold), or None. Only while a prefill rank is up
+        (else the prompt goes to decode anyway, as `Path.AGG`)."""
+        threshold = self.local_threshold
+        if threshold <= 0 or not self._prefill_ranks(request, excluded):
+            return None
+        decode = self.router.pick_decode(self._skipped(excluded, request.dp_rank))
+        uncached = len(request.prompt_ids) - cached.get(decode.instance_id, 0)
+        return decode if prefills_locally(uncached, threshold) else None
+
+    async def _start_remote(
+        self,
+        request: GenerationRequest,
+        deadline: float,
+        excluded: Exclusions,
+        cached: dict[str, int],
+    ) -> DecodeStream | None:
+        """The disaggregated start on an admitted prefill rank; None when no prefill rank is
+        usable."""
+        choice = None
+        if self.routing.prefill is PrefillRouting.CACHE_AWARE:
+            choice = _PrefillChoice(self, len(request.prompt_ids), cached)
+        rank = await self._admit(request, deadline, excluded, choice)
+        if rank is None:
+            return None
+        stream = await self._start_disagg(
+            request, deadline, excluded, rank, choice.tokens if choice else 0
+        )
+        stream.prefill_path = str(Path.DISAGG)
+        return stream
 
     def _timeout(self, deadline: float) -> float:
         left = deadline - asyncio.get_running_loop().time()
@@ -218,19 +358,20 @@ class Starter:
             self.waiting -= 1
             self.metrics.waiting.dec()
 
-    async def _admit(self, deadline: float, excluded: Exclusions) -> str | None:
-        """A slot of a ready prefill rank, FCFS (`PrefillAdmission`); None when no prefill rank is
-        usable."""
-
-        def ranks() -> list[str]:
-            return [
-                i.instance_id for i in self.router.ready(Role.PREFILL) if not excluded.blocks(i)
-            ]
-
+    async def _admit(
+        self,
+        request: GenerationRequest,
+        deadline: float,
+        excluded: Exclusions,
+        choice: _PrefillChoice | None,
+    ) -> str | None:
+        """A slot of a ready prefill rank, FCFS (`PrefillAdmission`), of the rank `choice` picks
+        when given; None when no prefill rank is usable."""
         with self._waiting():
             try:
                 return await asyncio.wait_for(
-                    self.admission.acquire(ranks), self._timeout(deadline)
+                    self.admission.acquire(lambda: self._prefill_ranks(request, excluded), choice),
+                    self._timeout(deadline),
                 )
             except TimeoutError:
                 raise Overloaded(
@@ -239,20 +380,34 @@ class Starter:
                 ) from None
 
     async def _start_disagg(
-        self, request: GenerationRequest, deadline: float, excluded: Exclusions, rank: str
+        self,
+        request: GenerationRequest,
+        deadline: float,
+        excluded: Exclusions,
+        rank: str,
+        tokens: int,
     ) -> DecodeStream:
-        """Reserve → Prefill while holding the admission slot of `rank`, then Decode."""
+        """Reserve → Prefill while holding the admission slot of `rank` (whose choice cost it
+        `tokens`), then Decode; the phases' times feed `handoffs`."""
+        clock = asyncio.get_running_loop().time
         try:
             prefill = next(
                 (i for i in self.router.ready(Role.PREFILL) if i.instance_id == rank), None
             )
             if prefill is None:
                 raise errors.Unavailable(f"prefill {rank} left the mesh")
+            t0 = clock()
             decode, target = await self._reserve(request, deadline, excluded)
+            t1 = clock()
             first = await self._prefill(request, prefill, decode, target, deadline, excluded)
+            t2 = clock()
         finally:
-            self.admission.release(rank)
-        return await self._decode(request, decode, first, deadline, excluded)
+            self.admission.release(rank, tokens)
+        stream = await self._decode(request, decode, first, deadline, excluded)
+        uncached = len(request.prompt_ids) - first.num_cached_tokens
+        self.handoffs.observe(uncached, t1 - t0, t2 - t1, first.transfer_seconds, clock() - t2)
+        self.metrics.local_prefill_threshold.set(self.local_threshold)
+        return stream
 
     async def _reserve(
         self, request: GenerationRequest, deadline: float, excluded: Exclusions
@@ -316,7 +471,7 @@ class Starter:
             except errors.Unavailable:
                 excluded.add(decode.instance_id)
                 raise
-            self.router.note_sent(decode.instance_id)
+            self.router.note_sent(decode.instance_id, tokens=len(request.prompt_ids))
             return decode, target
 
     async def _prefill(

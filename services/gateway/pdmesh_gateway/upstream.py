@@ -17,6 +17,7 @@ from pdmesh_gateway.core import GenerationRequest, TokenLogprob, WorkerChunk
 from pdmesh_gateway.retry import HandoffLost
 from pdmesh_proto.common.v1 import common_pb2
 from pdmesh_proto.decode.v1 import decode_pb2, decode_pb2_grpc
+from pdmesh_proto.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from pdmesh_proto.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 from pdmesh_service import errors
 from pdmesh_service.convert import finish_reason_from_pb, sampling_to_pb
@@ -91,6 +92,7 @@ class DecodeStream:
     ) -> None:
         self.call, self.instance_id, self.pending = call, decode.instance_id, pending
         self.where = _where(decode)
+        self.prefill_path = ""  # where the prompt was computed (`start.Path`), set by the starter
 
     async def next(self) -> WorkerChunk | None:
         """The next chunk; None once the stream ended."""
@@ -231,6 +233,20 @@ class WorkerClient:
             (first.first_token.token_id,), logprobs, num_cached_tokens=first.num_cached_tokens
         )
         return DecodeStream(call, decode, [head, *read])
+
+    async def longest_prefix(
+        self, kvstore: InstanceInfo, block_hashes: list[bytes], timeout: float
+    ) -> dict[str, int]:
+        """kvstore.LongestPrefix: per rank id, how many leading blocks of `block_hashes` it
+        holds (ranks holding none are absent)."""
+        stub = kvstore_pb2_grpc.KVStoreStub(self._channel(kvstore.address))
+        try:
+            answer = await stub.LongestPrefix(
+                kvstore_pb2.LongestPrefixRequest(block_hashes=block_hashes), timeout=timeout
+            )
+        except grpc.aio.AioRpcError as e:
+            raise map_rpc_error(e, _where(kvstore)) from None
+        return dict(answer.matched_blocks)
 
     async def cancel(self, decode: InstanceInfo, request_id: str) -> None:
         """decode.Cancel, best effort (the reservation's lease frees the blocks anyway)."""

@@ -353,11 +353,11 @@ def test_router_picks_fewest_running_counting_requests_sent_since_the_heartbeat(
     assert router.pick_decode().instance_id == "d1"
     router.note_sent("d1", now_ms=2000)
     router.note_sent("d1", now_ms=2001)
-    assert router.decode_load(router.ready("decode")[1]) == 3
+    assert router.decode_load(router.ready("decode")[1]) == (3,)
     assert router.pick_decode().instance_id == "d0"  # tie 3:3 -> the other one, in turn
     router.update([_inst("d0", running=3), _inst("d1", running=1, updated_ms=2000)])
     # the send at 2000 is in that heartbeat
-    assert router.decode_load(router.ready("decode")[1]) == 2
+    assert router.decode_load(router.ready("decode")[1]) == (2,)
 
 
 def test_router_breaks_ties_in_turn_and_skips_unready() -> None:
@@ -576,7 +576,8 @@ def test_orchestrator_runs_the_path_of_the_mode(tok, model, mode: str, with_pref
         disagg = mode == "disagg" and with_prefill
         assert decode.calls == (["Reserve", "Decode"] if disagg else ["Generate"])
         assert prefill.calls == (["Prefill"] if disagg else [])
-        assert result.usage == Usage(len(req.prompt_ids), 8, 3 if disagg else 0)
+        path = "disagg" if disagg else "agg"
+        assert result.usage == Usage(len(req.prompt_ids), 8, 3 if disagg else 0, path)
 
     _run(main())
 

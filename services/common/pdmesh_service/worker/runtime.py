@@ -193,6 +193,7 @@ async def run_worker(
             dp_size=size,
             model=Path(model_dir).resolve().name,
             ready=True,
+            block_size=engine.kv_layout.block_size if engine_config.enable_prefix_caching else 0,
         )
         await stay_registered(
             stack,
