@@ -13,6 +13,14 @@ Measured per request from the SSE stream: TTFT (first token chunk), ITL (gaps be
 TPOT ((e2e - ttft) / (output_tokens - 1)), e2e and the user's speed output_tokens / e2e. Traffic
 goes only to loopback hosts unless `--allow-remote`; it is bounded by `--num-requests`,
 `--duration-s` (no new requests after it) and `--timeout-s` (per request, whole stream).
+
+Also reported: the trace's reusable prefix (`traces.reusable_prefix_tokens`: the input tokens an
+ideal prefix cache would serve, block chains seen in an earlier request) and how much of it the
+server reported cached (`cached_of_reusable`; its own block size and evictions make it differ from
+1). The JSON carries one row per request (`requests`), which `--plot` / `--plot-compare` draw
+(`pdmesh_bench.plots`). `--dp-replay mirror|lag|both` replays every request once per DP rank,
+pinned with the `X-Data-Parallel-Rank` header, to measure what DP imbalance costs
+(`pdmesh_bench.dp_replay`).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import ipaddress
 import json
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from itertools import pairwise
 from pathlib import Path
@@ -31,18 +40,26 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from pdmesh_bench import plots
 from pdmesh_bench.traces import (
     P90_USER_DEFINITION,
     Job,
+    Scaling,
+    TraceRequest,
     choose_arrivals,
     distribution,
     load_trace,
     make_jobs,
+    mix_long_prompts,
     p90_user_tokens_per_s,
     plan_scaling,
+    reusable_prefix_tokens,
     scale_requests,
+    session_turns,
     synthetic_requests,
 )
+
+DP_RANK_HEADER = "X-Data-Parallel-Rank"  # pins a request's prefill (agg: decode) to this DP rank
 
 
 @dataclass
@@ -57,6 +74,8 @@ class ServeOptions:
     input_len: int = 256  # --synthetic
     output_len: int = 64  # --synthetic
     prefix_fraction: float = 0.0  # --synthetic: shared prefix of every prompt
+    long_input_len: int | None = None  # --synthetic: this input length for --long-fraction of them
+    long_fraction: float = 0.0
     scale_to_context: bool = False
     scale_percentile: float = 99.0
     scale_factor: float | None = None
@@ -71,12 +90,24 @@ class ServeOptions:
     allow_remote: bool = False
     progress_every: int = 10
     json: str | None = None
+    label: str | None = None  # names this run in plots (default: the --json file's name)
+    plot: str | None = None  # PNG: the TTFT distribution of this run (and of --plot-compare runs)
+    plot_compare: list[str] = field(default_factory=list)  # other runs' --json files to overlay
+    dp_replay: str | None = None  # mirror | lag | both (pdmesh_bench.dp_replay)
+    sessions: bool = False  # a trace's sessions, each turn after the previous one (session_loop)
+    max_turns: int | None = None  # --sessions: the first turns of each session only
+    think_s: float = 0.0  # --sessions: pause between a turn's answer and the next turn
+    lag_s: float = 0.5  # lag: rank r's copies are sent r * lag_s late
+    dp_rounds: int = 1  # both: this many lag replays, each between two mirror replays
+    dp_size: int | None = None  # DP ranks to replay on (default: the prefill instance's dp_size)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeOptions:
         values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
-        if values.get("json") is not None:
-            values["json"] = str(values["json"])
+        for name in ("json", "plot"):
+            if values.get(name) is not None:
+                values[name] = str(values[name])
+        values["plot_compare"] = [str(v) for v in values.get("plot_compare") or ()]
         return cls(**values)
 
 
@@ -85,7 +116,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "serve", help="replay a trace or synthetic load against an OpenAI-compatible server"
     )
     p.add_argument("--url", default=ServeOptions.url, help="server base URL (default %(default)s)")
-    source = p.add_mutually_exclusive_group(required=True)
+    source = p.add_mutually_exclusive_group()
     source.add_argument(
         "--trace", help="Mooncake .jsonl, Azure .csv, agentic .json (or a directory of them)"
     )
@@ -101,6 +132,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument(
         "--prefix-fraction", type=float, default=0.0, help="synthetic: shared-prefix fraction"
+    )
+    p.add_argument(
+        "--long-input-len", type=int, help="synthetic: a mix; this input length for some prompts"
+    )
+    p.add_argument(
+        "--long-fraction", type=float, default=0.0, help="synthetic: share of long prompts"
+    )
+    p.add_argument(
+        "--sessions",
+        action="store_true",
+        help="trace: replay its sessions (agentic: one per file), each turn sent once the previous "
+        "one was answered; --concurrency: sessions at a time (default: all)",
+    )
+    p.add_argument("--max-turns", type=int, help="--sessions: the first N turns of each session")
+    p.add_argument(
+        "--think-s", type=float, default=0.0, help="--sessions: pause before each next turn"
     )
     p.add_argument(
         "--time-scale", type=float, default=1.0, help="multiply trace times (0.5 = twice as fast)"
@@ -124,18 +171,63 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --url")
     p.add_argument("--progress-every", type=int, default=10)
     p.add_argument("--json", type=Path, help="write the results to this JSON file")
+    p.add_argument("--label", help="this run's name in plots (default: the --json file's name)")
+    p.add_argument("--plot", type=Path, help="write the TTFT distribution (CDF) to this PNG")
+    p.add_argument(
+        "--plot-compare",
+        nargs="+",
+        type=Path,
+        default=[],
+        metavar="JSON",
+        help="overlay these runs' --json results in --plot (alone: plot them, send nothing)",
+    )
+    p.add_argument(
+        "--dp-replay",
+        choices=("mirror", "lag", "both"),
+        help="send every request once per DP rank (header X-Data-Parallel-Rank): all at once "
+        "(mirror) or rank r late by r * --lag-s (lag); both: mirror, lag, mirror and the cost",
+    )
+    p.add_argument("--lag-s", type=float, default=0.5, help="lag per DP rank (default 0.5 s)")
+    p.add_argument(
+        "--dp-rounds",
+        type=int,
+        default=1,
+        help="both: K lag replays, each between two mirrors (default 1: mirror, lag, mirror)",
+    )
+    p.add_argument("--dp-size", type=int, help="DP ranks (default: from GET /mesh)")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     options = ServeOptions.from_args(args)
+    if is_plot_only(options):
+        if not options.plot:
+            raise ValueError("--plot-compare needs --plot PNG")
+        plots.write_ttft_plot(options.plot, plots.compare_curves(options.plot_compare))
+        print(f"bench serve: wrote {options.plot}")
+        return 0
     result = run_benchmark(options)
-    print_summary(result)
+    if "dp_replay" in result:
+        from pdmesh_bench.dp_replay import print_report  # dp_replay imports this module
+
+        print_report(result)
+    else:
+        print_summary(result)
     if options.json:
         path = Path(options.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2) + "\n")
+    if options.plot:
+        label = plots.run_label(result, options.json)
+        curves = plots.ttft_curves(result, label) + plots.compare_curves(options.plot_compare)
+        plots.write_ttft_plot(options.plot, curves)
+        print(f"bench serve: wrote {options.plot}")
     return 0 if result["num_requests"] > result["num_errors"] else 1
+
+
+def is_plot_only(o: ServeOptions) -> bool:
+    """`--plot PNG --plot-compare A.json ...` without a workload: draw saved runs only."""
+    return o.trace is None and not o.synthetic and bool(o.plot_compare)
 
 
 def run_benchmark(options: ServeOptions | argparse.Namespace) -> dict[str, Any]:
@@ -149,7 +241,18 @@ def run_benchmark(options: ServeOptions | argparse.Namespace) -> dict[str, Any]:
 def validate(o: ServeOptions) -> None:
     check_host(o.url, o.allow_remote)
     if (o.trace is None) == (not o.synthetic):
-        raise ValueError("give exactly one of --trace FILE and --synthetic")
+        raise ValueError(
+            "give exactly one of --trace FILE and --synthetic (or only --plot with --plot-compare)"
+        )
+    if o.plot_compare and not o.plot:
+        raise ValueError("--plot-compare needs --plot PNG")
+    if o.dp_replay is not None:
+        if o.dp_replay not in ("mirror", "lag", "both"):
+            raise ValueError(f"--dp-replay must be mirror, lag or both, got {o.dp_replay!r}")
+        if o.concurrency is not None:
+            raise ValueError("--dp-replay replays arrival times: use the trace's or --rate")
+        if o.lag_s < 0 or o.dp_rounds < 1 or (o.dp_size is not None and o.dp_size < 1):
+            raise ValueError("--lag-s must be >= 0, --dp-rounds and --dp-size >= 1")
     if (
         o.num_requests < 1
         or (o.concurrency is not None and o.concurrency < 1)
@@ -158,6 +261,12 @@ def validate(o: ServeOptions) -> None:
         raise ValueError("--num-requests, --concurrency and --max-inflight must be >= 1")
     if o.rate is not None and o.concurrency is not None:
         raise ValueError("give at most one of --rate and --concurrency")
+    if o.sessions and (o.trace is None or o.rate is not None or o.dp_replay is not None):
+        raise ValueError(
+            "--sessions replays a trace's sessions: no --synthetic, --rate, --dp-replay"
+        )
+    if (o.max_turns is not None and o.max_turns < 1) or o.think_s < 0:
+        raise ValueError("--max-turns must be >= 1 and --think-s >= 0")
     if o.synthetic and o.rate is None and o.concurrency is None:
         raise ValueError("--synthetic needs --rate R or --concurrency C")
     if o.timeout_s <= 0 or (o.duration_s is not None and o.duration_s <= 0):
@@ -189,12 +298,35 @@ def base_url(url: str) -> str:
 # ----- the work list ---------------------------------------------------------------------------
 
 
-def build_jobs(o: ServeOptions, max_model_len: int) -> tuple[list[Job], dict[str, Any]]:
-    """The requests to send and how their lengths were scaled."""
+@dataclass
+class Workload:
+    """The (scaled) requests of a run, their arrival offsets (None: closed loop) and how they were
+    scaled; `jobs(seed)` builds their prompts (a different seed: the same lengths and sharing, other
+    token ids)."""
+
+    requests: list[TraceRequest]
+    arrivals: list[float] | None
+    scaling: Scaling
+    info: dict[str, Any]  # the source and the scaling, as the JSON's `scaling` reports them
+    vocab_size: int = 1024
+    sessions: list[list[int]] | None = None  # --sessions: job indexes per session, in turn order
+
+    def jobs(self, seed: int) -> list[Job]:
+        return make_jobs(self.requests, self.scaling, self.arrivals, seed, self.vocab_size)
+
+    def reusable(self) -> list[int]:
+        """Per job index: its reusable-prefix tokens (`traces.reusable_prefix_tokens`)."""
+        return reusable_prefix_tokens(self.requests, self.scaling)
+
+
+def build_workload(o: ServeOptions, max_model_len: int) -> Workload:
+    """The requests to send, when, and how their lengths were scaled."""
     if o.synthetic:
         requests, block = synthetic_requests(
             o.num_requests, o.input_len, o.output_len, o.prefix_fraction
         )
+        if o.long_input_len is not None:
+            requests = mix_long_prompts(requests, o.long_input_len, o.long_fraction, o.seed)
         scaling = plan_scaling(requests, max_model_len, block, enabled=False, factor=1.0)
         source = {"source": "synthetic", "prefix_tokens": round(o.prefix_fraction * o.input_len)}
     else:
@@ -210,12 +342,21 @@ def build_jobs(o: ServeOptions, max_model_len: int) -> tuple[list[Job], dict[str
             factor=o.scale_factor,
             scale_output=not o.keep_output_len,
         )
-        requests = trace.requests[: o.num_requests]
+        requests = trace.requests
+        if o.sessions:
+            kept = sorted(i for turns in session_turns(requests, o.max_turns) for i in turns)
+            requests = [requests[i] for i in kept]
+        requests = requests[: o.num_requests]
         source = {"source": "trace", "format": trace.format, "trace_requests": len(trace.requests)}
     requests = scale_requests(requests, scaling)
+    if o.sessions:
+        sessions = session_turns(requests)
+        source["sessions"] = len(sessions)
+        return Workload(
+            requests, None, scaling, {**source, **scaling.to_dict()}, o.vocab_size, sessions
+        )
     arrivals = choose_arrivals(requests, o.rate, o.concurrency, o.time_scale, o.seed)
-    jobs = make_jobs(requests, scaling, arrivals, o.seed, o.vocab_size)
-    return jobs, {**source, **scaling.to_dict()}
+    return Workload(requests, arrivals, scaling, {**source, **scaling.to_dict()}, o.vocab_size)
 
 
 # ----- sending ---------------------------------------------------------------------------------
@@ -225,6 +366,7 @@ def build_jobs(o: ServeOptions, max_model_len: int) -> tuple[list[Job], dict[str
 class Result:
     index: int
     start: float  # perf_counter at the scheduled send
+    rank: int | None = None  # the DP rank it was pinned to (DP_RANK_HEADER), None: not pinned
     ok: bool = False
     error: str | None = None
     token_times: list[float] = field(default_factory=list)
@@ -271,8 +413,9 @@ class Sender:
             body["ignore_eos"] = True
         return body
 
-    async def issue(self, job: Job, scheduled: float) -> Result:
-        result = Result(job.index, scheduled, prompt_tokens=len(job.prompt))
+    async def issue(self, job: Job, scheduled: float, rank: int | None = None) -> Result:
+        """Send one job (pinned to DP `rank` unless None); errors are recorded, never raised."""
+        result = Result(job.index, scheduled, rank, prompt_tokens=len(job.prompt))
         try:
             await asyncio.wait_for(self._send(job, result), self.timeout_s)
         except (TimeoutError, httpx.HTTPError, StreamError, ValueError) as e:
@@ -293,8 +436,11 @@ class Sender:
         return result
 
     async def _send(self, job: Job, result: Result) -> None:
+        headers = {} if result.rank is None else {DP_RANK_HEADER: str(result.rank)}
         for attempt in range(2):
-            async with self.client.stream("POST", self.url, json=self.body(job)) as resp:
+            async with self.client.stream(
+                "POST", self.url, json=self.body(job), headers=headers
+            ) as resp:
                 if resp.status_code == 200:
                     await read_stream(resp.aiter_lines(), result)
                     return
@@ -378,6 +524,33 @@ async def closed_loop(
     return sorted(results, key=lambda r: r.index)
 
 
+async def session_loop(
+    sender: Sender,
+    jobs: list[Job],
+    sessions: list[list[int]],
+    think_s: float,
+    concurrency: int | None,
+    deadline: float | None,
+) -> list[Result]:
+    """Every session sends its turns in order, each once the previous one was answered (and
+    `think_s` passed), as an agent drives its context; up to `concurrency` sessions at a time
+    (None: all at once), a waiting session starting when one ends."""
+    queue = iter(sessions)
+    results: list[Result] = []
+
+    async def driver() -> None:
+        for turns in queue:  # one shared iterator: each session goes to exactly one driver
+            for k, index in enumerate(turns):
+                if deadline is not None and time.perf_counter() > deadline:
+                    return
+                if k and think_s:
+                    await asyncio.sleep(think_s)
+                results.append(await sender.issue(jobs[index], time.perf_counter()))
+
+    await asyncio.gather(*(driver() for _ in range(concurrency or len(sessions))))
+    return sorted(results, key=lambda r: r.index)
+
+
 async def fetch_model(client: httpx.AsyncClient, url: str) -> tuple[str, int | None]:
     try:
         resp = await client.get(f"{url}/v1/models")
@@ -388,18 +561,37 @@ async def fetch_model(client: httpx.AsyncClient, url: str) -> tuple[str, int | N
         raise ValueError(f"GET {url}/v1/models failed: {type(e).__name__}: {e}") from None
 
 
-async def _run(o: ServeOptions) -> dict[str, Any]:
-    url = base_url(o.url)
-    connections = o.concurrency or o.max_inflight
+def http_client(o: ServeOptions, connections: int) -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     timeout = httpx.Timeout(o.timeout_s, connect=min(10.0, o.timeout_s), pool=None)
-    async with httpx.AsyncClient(http1=True, http2=False, limits=limits, timeout=timeout) as client:
+    return httpx.AsyncClient(http1=True, http2=False, limits=limits, timeout=timeout)
+
+
+async def _run(o: ServeOptions) -> dict[str, Any]:
+    url = base_url(o.url)
+    async with http_client(o, o.concurrency or o.max_inflight) as client:
         model, served_len = await fetch_model(client, url)
         model = o.model or model
         max_model_len = o.max_model_len or served_len
         if not max_model_len:
             raise ValueError("the server does not report max_model_len: pass --max-model-len")
-        jobs, scaling = build_jobs(o, max_model_len)
+        workload = build_workload(o, max_model_len)
+        config = {
+            **asdict(o),
+            "url": url,
+            "model": model,
+            "max_model_len": max_model_len,
+            "mode": "sessions"
+            if o.sessions
+            else "closed-loop"
+            if o.concurrency
+            else ("poisson" if o.rate else "trace-timestamps"),
+        }
+        if o.dp_replay is not None:
+            from pdmesh_bench.dp_replay import run_replays  # dp_replay imports this module
+
+            return await run_replays(o, client, workload, config)
+        jobs = workload.jobs(o.seed)
         sender = Sender(
             client, f"{url}/v1/completions", model, o.timeout_s, len(jobs), o.progress_every
         )
@@ -409,25 +601,28 @@ async def _run(o: ServeOptions) -> dict[str, Any]:
         )
         t0 = time.perf_counter()
         deadline = None if o.duration_s is None else t0 + o.duration_s
-        if o.concurrency is not None:
+        if workload.sessions is not None:
+            results = await session_loop(
+                sender, jobs, workload.sessions, o.think_s, o.concurrency, deadline
+            )
+        elif o.concurrency is not None:
             results = await closed_loop(sender, jobs, o.concurrency, deadline)
         else:
             results = await open_loop(sender, jobs, t0, deadline)
         duration = time.perf_counter() - t0
-    config = {
-        **asdict(o),
-        "url": url,
-        "model": model,
-        "max_model_len": max_model_len,
-        "mode": "closed-loop" if o.concurrency else ("poisson" if o.rate else "trace-timestamps"),
-        "ignore_eos_sent": sender.ignore_eos,
-    }
-    return {**summarize(results, duration, sender.errors), "config": config, "scaling": scaling}
+    summary = summarize(results, duration, sender.errors, workload.reusable())
+    config["ignore_eos_sent"] = sender.ignore_eos
+    return {**summary, "config": config, "scaling": workload.info}
 
 
 def summarize(
-    results: list[Result], duration_s: float, errors: list[str] | None = None
+    results: list[Result],
+    duration_s: float,
+    errors: list[str] | None = None,
+    reusable: Sequence[int] | None = None,
 ) -> dict[str, Any]:
+    """The run's figures over its completed requests, and one row per request (`requests`).
+    `reusable`: per job index, its reusable-prefix tokens (None: not reported)."""
     ok = [r for r in results if r.ok]
     itl = [(b - a) * 1e3 for r in ok for a, b in pairwise(r.token_times)]
     tpot = [(r.e2e_s - r.ttft_s) * 1e3 / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
@@ -437,6 +632,9 @@ def summarize(
     inputs = sum(r.prompt_tokens for r in ok)
     errors = errors if errors is not None else [r.error for r in results if r.error]
     duration_s = max(duration_s, 1e-9)
+    reusable_tokens = (
+        None if reusable is None else sum(min(reusable[r.index], r.prompt_tokens) for r in ok)
+    )
     return {
         "ttft_ms": distribution([r.ttft_s * 1e3 for r in ok]),
         "tpot_ms": distribution(tpot),
@@ -455,8 +653,27 @@ def summarize(
         "cached_input_tokens": cached,
         "uncached_input_tokens": inputs - cached,
         "cache_hit_ratio": cached / inputs if inputs else None,
+        "reusable_input_tokens": reusable_tokens,
+        "cached_of_reusable": cached / reusable_tokens if reusable_tokens else None,
         "output_tokens": out_tokens,
         "duration_s": duration_s,
+        "requests": [request_row(r) for r in results],
+    }
+
+
+def request_row(r: Result) -> dict[str, Any]:
+    """One request as the JSON lists it (times in ms; None where it never got a token)."""
+    row: dict[str, Any] = {"index": r.index}
+    if r.rank is not None:
+        row["rank"] = r.rank
+    return {
+        **row,
+        "ok": r.ok,
+        "ttft_ms": r.ttft_s * 1e3 if r.token_times else None,
+        "e2e_ms": r.e2e_s * 1e3 if r.ok else None,
+        "prompt_tokens": r.prompt_tokens,
+        "cached_tokens": r.cached_tokens,
+        "output_tokens": r.output_tokens,
     }
 
 
@@ -489,11 +706,22 @@ def print_summary(r: dict[str, Any]) -> None:
         f"p90 user {user if user is None else round(user, 1)} tokens/s (10th percentile of "
         "per-request speed)"
     )
+    print_tokens(r)
+    for message in r["error_messages"]:
+        print(f"  error: {message}")
+
+
+def print_tokens(r: dict[str, Any]) -> None:
+    """The input/output token line and the reusable-prefix line of a summary."""
     hit = r["cache_hit_ratio"]
     print(
         f"  input tokens {r['input_tokens']} ({r['cached_input_tokens']} cached"
         f"{'' if hit is None else f', {100 * hit:.1f}%'}, {r['uncached_input_tokens']} uncached), "
         f"output tokens {r['output_tokens']}"
     )
-    for message in r["error_messages"]:
-        print(f"  error: {message}")
+    reusable, share = r.get("reusable_input_tokens"), r.get("cached_of_reusable")
+    if reusable is not None:
+        print(
+            f"  reusable prefix {reusable} input tokens (blocks seen in an earlier request); "
+            f"cached of reusable {'n/a' if share is None else f'{100 * share:.1f}%'}"
+        )

@@ -147,6 +147,25 @@ def _agentic_rows(
     return rows
 
 
+def session_of(request: TraceRequest) -> int:
+    """The session a request belongs to: the namespace of its hash ids (`AGENTIC_NAMESPACE`, one
+    per file of a directory of agentic traces); 0 without hash ids or namespaces."""
+    return request.hash_ids[0] // AGENTIC_NAMESPACE if request.hash_ids else 0
+
+
+def session_turns(
+    requests: Sequence[TraceRequest], max_turns: int | None = None
+) -> list[list[int]]:
+    """Indexes of `requests` per session, each session's turns in their order, sessions in the
+    order of their first turn; at most `max_turns` turns per session."""
+    sessions: dict[int, list[int]] = {}
+    for index, request in enumerate(requests):
+        turns = sessions.setdefault(session_of(request), [])
+        if max_turns is None or len(turns) < max_turns:
+            turns.append(index)
+    return list(sessions.values())
+
+
 def _merge_sessions(sessions: list[Trace]) -> Trace:
     merged = [
         replace(r, hash_ids=tuple(h + i * AGENTIC_NAMESPACE for h in r.hash_ids))
@@ -404,3 +423,41 @@ def percentile_of(values: Sequence[float], q: float) -> float:
     if not values:
         return float("nan")
     return float(np.percentile(np.asarray(values, dtype=float), q))
+
+
+# ----- length mixes and reusable prefixes ------------------------------------------------------
+
+
+def mix_long_prompts(
+    requests: Sequence[TraceRequest], long_input_len: int, fraction: float, seed: int = 0
+) -> list[TraceRequest]:
+    """Copies in which each request, with probability `fraction` (seeded), has `long_input_len`
+    input tokens instead of its own: a mix of short and long prompts (the rest unchanged)."""
+    if long_input_len < 1 or not 0 <= fraction <= 1:
+        raise ValueError("--long-input-len must be >= 1 and --long-fraction in [0, 1]")
+    draws = np.random.default_rng([seed, 3]).random(len(requests))
+    return [
+        replace(r, input_len=long_input_len) if draw < fraction else r
+        for r, draw in zip(requests, draws, strict=True)
+    ]
+
+
+def reusable_prefix_tokens(requests: Sequence[TraceRequest], scaling: Scaling) -> list[int]:
+    """Per (already scaled) request, in order: how many of its prompt tokens are a reusable
+    prefix, i.e. its leading prompt blocks (as `PromptBuilder.build` lays them out: groups of
+    `hash_ids_per_block` ids, `block_tokens` each) whose chain of ids from the start appeared in an
+    earlier request; capped at the input length. An ideal cache would serve exactly these."""
+    g, block = scaling.hash_ids_per_block, scaling.block_tokens
+    seen: dict[tuple[int, ...], dict[Any, Any]] = {}  # a trie of block chains: ids -> children
+    reusable = []
+    for r in requests:
+        node, matched = seen, 0
+        for k in range(min(len(r.hash_ids) // g, r.input_len // block)):
+            ids = r.hash_ids[k * g : (k + 1) * g]
+            if ids in node:
+                matched += 1  # a fresh node has no children, so matches are always leading
+            else:
+                node[ids] = {}
+            node = node[ids]
+        reusable.append(min(matched * block, r.input_len))
+    return reusable

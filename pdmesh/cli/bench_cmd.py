@@ -18,6 +18,7 @@ BENCHMARKS = (
     "eplb",
     "chaos",
     "admission",
+    "routing",
 )
 
 
