@@ -27,6 +27,7 @@ from pdmesh_gateway.openai_api import (
     json_equal,
 )
 from pdmesh_gateway.openapi_schemas import (
+    NUMBER,
     STRING,
     integer,
     mesh_schemas,
@@ -250,9 +251,17 @@ def _generation(
     }
     ok = _ok("The result.", {**_json(ref(response)), SSE: stream})
     body = {"schema": ref(request), "examples": {k: {"value": v} for k, v in examples.items()}}
+    dp_rank = {
+        "name": "X-Data-Parallel-Rank",
+        "in": "header",
+        "required": False,
+        "description": "Compute the prompt on a rank whose DP rank is this (400 if none has it).",
+        "schema": integer(0),
+    }
     return {
         "post": {
             "operationId": f"create{response}",
+            "parameters": [dp_rank],
             "requestBody": {"required": True, "content": {JSON: body}},
             "responses": {"200": ok, **errors_},
         }
@@ -280,9 +289,22 @@ def _paths(model: ModelInfo, max_body_bytes: int) -> dict[str, Any]:
         ("restarts", "last_exit_code", "at_ms"),
     )
     restarts = nullable({"type": "object", "additionalProperties": restart})
+    routing = obj(
+        {
+            "prefill": STRING,
+            "decode_balance": STRING,
+            "local_prefill": STRING,
+            "local_prefill_threshold_tokens": integer(0),
+            "handoff_overhead_ms": NUMBER,
+            "prefill_tokens_per_s": NUMBER,
+            "handoffs_measured": integer(0),
+            "prefill_paths": {"type": "object", "additionalProperties": integer(0)},
+        },
+        ("prefill", "local_prefill", "local_prefill_threshold_tokens", "prefill_paths"),
+    )
     mesh = obj(
-        {"instances": instances, "eplb": rows, "restarts": restarts},
-        ("instances", "eplb", "restarts"),
+        {"instances": instances, "eplb": rows, "restarts": restarts, "routing": routing},
+        ("instances", "eplb", "restarts", "routing"),
     )
     unavailable = {"503": _ok("Unavailable: no decode rank is ready.", _json(ref("Health")))}
     return {
