@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -198,7 +199,7 @@ async def run_worker(
         await stay_registered(
             stack,
             registry,
-            lambda: _report(loop, info),
+            _LoadReport(loop, info),
             common.heartbeat_s,
             on_missing=lambda: kvstore.register_agent(instance_id, agent.metadata(), instance_id),
         )
@@ -280,7 +281,31 @@ async def _until_stopped(loop: EngineLoop, instance_id: str, dep: bool) -> None:
     raise ServiceStopped(f"{instance_id}: {reason}")
 
 
-async def _report(loop: EngineLoop, info: InstanceInfo) -> InstanceInfo:
-    status = await loop.status()
-    loop.metrics.observe_load(status.load)
-    return replace(info, stats=heartbeat_stats(status))
+STATUS_WAIT_S = 0.5  # a heartbeat waits this long for the engine's load, then reports the last
+ENGINE_SILENT_S = 60.0  # an engine thread that has not answered for this long: reported not ready
+
+
+class _LoadReport:
+    """The rank's heartbeat: its info with the engine's latest load. The load comes from the engine
+    thread, between steps; a beat waits at most `STATUS_WAIT_S` for it and otherwise reports the
+    last one, so a long step (a big prefill chunk on a busy CPU) does not delay the beat and make
+    the gateway give the rank up (liveness is the process's, not the step's). An engine thread
+    silent for `ENGINE_SILENT_S` is reported `ready=False` (not routable) until it answers."""
+
+    def __init__(self, loop: EngineLoop, info: InstanceInfo) -> None:
+        self.loop, self.info = loop, info
+        self.pending: asyncio.Future[Any] | None = None
+        self.answered_at = time.monotonic()
+
+    async def __call__(self) -> InstanceInfo:
+        if self.pending is None:
+            self.pending = asyncio.ensure_future(self.loop.status())
+        try:
+            status = await asyncio.wait_for(asyncio.shield(self.pending), STATUS_WAIT_S)
+        except TimeoutError:
+            silent = time.monotonic() - self.answered_at > ENGINE_SILENT_S
+            return replace(self.info, ready=False) if silent else self.info
+        self.pending, self.answered_at = None, time.monotonic()
+        self.loop.metrics.observe_load(status.load)
+        self.info = replace(self.info, stats=heartbeat_stats(status))
+        return self.info
