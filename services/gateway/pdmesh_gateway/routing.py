@@ -28,7 +28,7 @@ from pdmesh_engine.block_hash import BlockHash, hash_full_blocks
 # HandoffModel): a hand-off costs about 25 ms besides the prefill; prefill runs ~3,000 tokens/s.
 DEFAULT_HANDOFF_OVERHEAD_S = 0.025
 DEFAULT_PREFILL_TOKENS_PER_S = 3000.0
-MIN_SPEED_SAMPLE_TOKENS = 32  # shorter prefills time mostly overhead: no speed sample
+MIN_SPEED_SAMPLE_TOKENS = 256  # shorter prefills time mostly overhead: no speed sample
 
 
 class PrefillRouting(StrEnum):
