@@ -12,8 +12,10 @@ One timed forward = `model(batch, kv_caches)` plus `compute_logits` on the B sam
 step computes before sampling). Reported: median and p90 ms over `--repeats` after `--warmup`,
 tokens/s at the median, the decode cost model's FLOP/s and bytes/s against the machine's measured
 peaks (decode only, see `pdmesh_bench.machine`), and with `--profile` the top 15 ops by self CPU
-time from `torch.profiler` plus inclusive time per module kind (attention, MoE, ...) and per kernel
-call.
+time from `torch.profiler`, inclusive time per module kind (attention, MoE, ...) and per kernel
+call, and the op count: aten ops dispatched per forward, in total and per decoder layer (dense and
+MoE layers apart), counted by a `TorchDispatchMode` (every op that reaches a kernel, views
+included; what the Python overhead of a step scales with).
 """
 
 from __future__ import annotations
@@ -168,12 +170,15 @@ def _module_labels() -> dict[type, str]:
 
 
 def _kernel_entry_points() -> list[tuple[Any, str, str]]:
-    """(module, attribute, label) of the kernel functions the model calls, timed like modules."""
-    from pdmesh_engine.model import layers, moe
+    """(module, attribute, label) of the kernel functions the model calls, timed like modules
+    (CUDA runs the `kernel` ones, CPU the `cpu` ones; only those called are reported)."""
+    from pdmesh_engine.model import experts, layers
 
     return [
         (layers, "mla_decode_attention", "kernel mla_decode_attention"),
-        (moe, "fused_moe", "kernel fused_moe"),
+        (layers, "mla_decode_cpu", "cpu mla_decode_cpu"),
+        (experts, "fused_moe", "kernel fused_moe"),
+        (experts, "expert_rows", "cpu expert_rows"),
     ]
 
 
@@ -221,6 +226,54 @@ def module_times(model: torch.nn.Module, fn: Callable[[], Any], repeats: int) ->
         for owner, name, function in patched:
             setattr(owner, name, function)
     return {k: v * 1e3 / repeats for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
+
+
+def op_counts(model: torch.nn.Module, fn: Callable[[], Any]) -> dict[str, Any]:
+    """aten ops dispatched by one forward: {"total", "per_layer" [num layers], "dense_layer" and
+    "moe_layer" (the mean over layers of that kind, 0 when there is none)}."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pdmesh_engine.model.deepseek_v3 import DecoderLayer
+    from pdmesh_engine.model.moe import MoE
+
+    class Counter(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            Counter.count += 1
+            return func(*args, **(kwargs or {}))
+
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+    per_layer = [0] * len(layers)
+    marks: dict[int, int] = {}
+    index = {id(layer): i for i, layer in enumerate(layers)}
+
+    def pre(module: torch.nn.Module, _inputs: Any) -> None:
+        marks[id(module)] = Counter.count
+
+    def post(module: torch.nn.Module, _inputs: Any, _output: Any) -> None:
+        per_layer[index[id(module)]] += Counter.count - marks.pop(id(module))
+
+    handles = [
+        h for m in layers for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))
+    ]
+    try:
+        with Counter():
+            fn()
+    finally:
+        for handle in handles:
+            handle.remove()
+    kinds: dict[str, list[int]] = {"dense_layer": [], "moe_layer": []}
+    for layer, count in zip(layers, per_layer, strict=True):
+        if count:  # MTP layers never run
+            kinds["moe_layer" if isinstance(layer.mlp, MoE) else "dense_layer"].append(count)
+    return {
+        "total": Counter.count,
+        "per_layer": [c for c in per_layer if c],
+        **{k: sum(v) / len(v) if v else 0 for k, v in kinds.items()},
+    }
 
 
 def profile_ops(fn: Callable[[], Any], repeats: int) -> tuple[str, list[dict[str, Any]]]:
@@ -277,8 +330,11 @@ def run(args: argparse.Namespace) -> int:
     print_summary(result)
     if args.profile:
         result["module_ms_per_forward"] = module_times(runner.model, fn, args.repeats)
+        result["op_counts"] = op_counts(runner.model, fn)
         table, result["top_ops"] = profile_ops(fn, min(args.repeats, 10))
-        print_profile(result["module_ms_per_forward"], result["median_ms"], table)
+        print_profile(
+            result["module_ms_per_forward"], result["median_ms"], table, result["op_counts"]
+        )
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
@@ -331,7 +387,13 @@ def print_summary(r: dict) -> None:
         )
 
 
-def print_profile(modules: dict[str, float], median_ms: float, table: str) -> None:
+def print_profile(
+    modules: dict[str, float], median_ms: float, table: str, ops: dict[str, Any]
+) -> None:
+    print(
+        f"\naten ops per forward: {ops['total']}  (per dense layer {ops['dense_layer']:.0f}, "
+        f"per MoE layer {ops['moe_layer']:.0f})"
+    )
     print(
         "\ninclusive time per module kind and kernel call (ms per forward, % of the median "
         "forward; "

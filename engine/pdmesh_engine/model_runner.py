@@ -149,6 +149,8 @@ class ModelRunner:
             layer.set_placement(layer.placement)
         model.rope.materialize(self.model_config)  # computed buffers, not checkpoint tensors
         model.load_weights(iter_tensors(model_dir))
+        if self.device.type == "cpu":
+            model.use_cpu_layouts()
         model.eval()
         self.load_seconds = time.perf_counter() - start
         return model

@@ -109,4 +109,6 @@ def test_bench_forward_quick(
             "self_cpu_ms_per_forward" in op for op in result["top_ops"]
         )
         assert "attention" in result["module_ms_per_forward"]
+        ops = result["op_counts"]
+        assert ops["total"] >= sum(ops["per_layer"]) > 0 and ops["moe_layer"] > ops["dense_layer"]
         assert "Self CPU" in capsys.readouterr().out

@@ -19,6 +19,7 @@ from torch import nn
 
 from pdmesh_engine.config import ModelConfig
 from pdmesh_engine.forward_batch import ForwardBatch
+from pdmesh_engine.model.attention import AttentionMetadata, mla_decode_cpu
 from pdmesh_kernels import mla_decode_attention
 
 
@@ -119,7 +120,20 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q_pe [T, H, R], k_pe [T, R] -> rotated (q_pe, k_pe), both in one pass.
+        """q_pe [T, H, R], k_pe [T, R] -> rotated (q_pe, k_pe) at `positions` [T]."""
+        return self.rotate(q_pe, k_pe, *self.tables(positions, q_pe.dtype))
+
+    def tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (cos, sin) rows [T, 1, R] of `positions` [T], in `dtype` (once per step)."""
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
+    def rotate(
+        self, q_pe: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q_pe [T, H, R], k_pe [T, R], cos/sin [T, 1, R] (`tables`) -> rotated (q_pe, k_pe), both
+        in one pass.
 
         (x1, x2) * (cos, cos) + (x2, x1) * (-sin, sin) = (x1 cos - x2 sin, x2 cos + x1 sin), bit for
         bit.
@@ -131,8 +145,6 @@ class RotaryEmbedding(nn.Module):
         else:
             x1, x2 = x.chunk(2, dim=-1)
             y = x
-        cos = self.cos[positions].to(x.dtype)  # [T, 1, R]
-        sin = self.sin[positions].to(x.dtype)
         out = y * cos + torch.cat((x2, x1), dim=-1) * sin
         return out[:, :-1], out[:, -1]
 
@@ -178,20 +190,27 @@ class MLAttention(nn.Module):
         )
         self.has_q_lora = c.q_lora_rank is not None
         self.w_uk: torch.Tensor | None = None  # [H, N, L], set by process_weights()
-        self.w_uv: torch.Tensor | None = None  # [H, V, L]
+        self.w_uv_t: torch.Tensor | None = None  # [H, L, V]
 
     def process_weights(self) -> None:
-        """Split kv_b_proj into the key and value up-projections used by the absorbed decode
-        path."""
+        """Split kv_b_proj into the key and value up-projections of the absorbed decode path, laid
+        out for `bmm`."""
         w = self.kv_b_proj.weight.view(
             self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank
         )
         self.w_uk = w[:, : self.nope_dim].contiguous()
-        self.w_uv = w[:, self.nope_dim :].contiguous()
+        self.w_uv_t = w[:, self.nope_dim :].transpose(1, 2).contiguous()
 
     def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, rope: RotaryEmbedding
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: torch.Tensor,
+        rope: RotaryEmbedding,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
+        """x [T, D] -> [T, D]; writes the tokens' latents into `kv_cache` first. `meta`: the
+        step's shared inputs (rope tables, the CPU decode gather)."""
         num_tokens = x.shape[0]
         q = (
             self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -201,37 +220,48 @@ class MLAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        q_pe, k_pe = rope(batch.positions, q_pe, k_pe)
-        flat_cache = kv_cache.view(-1, kv_cache.shape[-1])
-        flat_cache[batch.slot_mapping] = torch.cat((self.kv_a_layernorm(latent), k_pe), dim=-1).to(
-            kv_cache.dtype
-        )
+        q_pe, k_pe = rope.rotate(q_pe, k_pe, meta.cos, meta.sin)
+        entries = torch.cat((self.kv_a_layernorm(latent), k_pe), dim=-1)
+        if entries.dtype != kv_cache.dtype:
+            entries = entries.to(kv_cache.dtype)
+        kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, batch.slot_mapping, entries)
 
         nd = batch.num_decodes
         if nd == num_tokens:  # decodes only: no output buffer to fill
-            return self.o_proj(self._decode(q_nope, q_pe, kv_cache, batch).reshape(num_tokens, -1))
+            out = self._decode(q_nope, q_pe, kv_cache, batch, meta)
+            return self.o_proj(out.reshape(num_tokens, -1))
         out = x.new_empty(num_tokens, self.num_heads, self.v_dim)
         if nd:
-            out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], kv_cache, batch)
+            out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], kv_cache, batch, meta)
         for b in range(nd, batch.num_seqs):
             start, end = batch.query_start_list[b], batch.query_start_list[b + 1]
             out[start:end] = self._prefill(q_nope[start:end], q_pe[start:end], kv_cache, batch, b)
         return self.o_proj(out.view(num_tokens, -1))
 
     def _decode(
-        self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        batch: ForwardBatch,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
+        """Absorbed form: q_nope [B, H, N] -> latent queries [B, H, L] -> attention over the
+        cached latents -> values [B, H, V]."""
         nd = q_nope.shape[0]
-        q_latent = torch.einsum("thn,hnl->thl", q_nope, self.w_uk)  # [T, H, L]
-        out_latent = mla_decode_attention(
-            q_latent,
-            q_pe.contiguous(),
-            kv_cache,
-            batch.block_tables[:nd],
-            batch.seq_lens[:nd],
-            self.scale,
-        )
-        return torch.einsum("thl,hvl->thv", out_latent, self.w_uv)  # [T, H, V]
+        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [B, H, L]
+        if meta.decode_gather is not None:
+            out_latent = mla_decode_cpu(q_latent, q_pe, kv_cache, meta.decode_gather, self.scale)
+        else:
+            out_latent = mla_decode_attention(
+                q_latent.contiguous(),
+                q_pe.contiguous(),
+                kv_cache,
+                batch.block_tables[:nd],
+                batch.seq_lens[:nd],
+                self.scale,
+            )
+        return torch.bmm(out_latent.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # [B, H, V]
 
     def _prefill(
         self,

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdmesh_engine.config import ModelConfig
+from pdmesh_engine.model.experts import routed_experts, to_row_tables
 from pdmesh_engine.model.layers import DenseMLP
-from pdmesh_kernels import fused_moe
 
 
 @dataclass(frozen=True)
@@ -108,15 +108,17 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (weights [T, K] fp32, logical expert ids [T, K] int64)."""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
-        choice = scores + self.e_score_correction_bias.float()
-        grouped = choice.view(x.shape[0], self.n_group, -1)
-        group_scores = grouped.topk(2, dim=-1)[0].sum(-1)  # [T, G]
-        group_ids = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_ids, True)
-        choice = choice.masked_fill(
-            ~group_mask[:, :, None].expand_as(grouped).reshape_as(choice), float("-inf")
-        )
+        weight, bias = self.weight, self.e_score_correction_bias  # fp32 (the runner keeps them so)
+        if weight.dtype != torch.float32:
+            weight, bias = weight.float(), bias.float()
+        scores = F.linear(x if x.dtype == torch.float32 else x.float(), weight).sigmoid()  # [T, E]
+        choice = scores + bias
+        if self.topk_group < self.n_group:  # keep the experts of the best topk_group groups
+            grouped = choice.view(x.shape[0], self.n_group, -1)  # [T, G, E / G]
+            group_scores = grouped.topk(2, dim=-1)[0].sum(-1)  # [T, G]
+            group_ids = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
+            dropped = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, group_ids, False)
+            choice = grouped.masked_fill(dropped[:, :, None], float("-inf")).view_as(choice)
         expert_ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, expert_ids)
         if self.norm_topk_prob:
@@ -140,7 +142,7 @@ class ExpertDispatcher(ABC):
 
 
 class LocalDispatcher(ExpertDispatcher):
-    """All slots live in this process (DEP 1)."""
+    """All slots live in this process (DEP 1): `routed_experts`."""
 
     def __call__(
         self,
@@ -150,7 +152,7 @@ class LocalDispatcher(ExpertDispatcher):
         w13: torch.Tensor,
         w2: torch.Tensor,
     ) -> torch.Tensor:
-        return fused_moe(x, w13, w2, weights, slot_ids)
+        return routed_experts(x, weights, slot_ids, w13, w2)
 
 
 class ExpertLoadRecorder:
@@ -255,6 +257,13 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    def use_row_tables(self) -> None:
+        """Store w13/w2 in the row-table layout of the CPU expert path (`experts.to_row_tables`):
+        same shapes and values (copied), transposed in memory. Slot writes keep the layout."""
+        for name in ("w13", "w2"):
+            param = getattr(self, name)
+            setattr(self, name, nn.Parameter(to_row_tables(param.data), param.requires_grad))
 
     def set_placement(self, placement: ExpertPlacement) -> None:
         """Adopt a new logical→physical map (at a step boundary; moved weights are copied

@@ -13,13 +13,13 @@ Data chain (one MoE layer call, on every rank):
      -1, then the fp32 routing weight's bits as int64), send_counts [n]
   -> counts exchange   all_to_all_single(send_counts [n]) -> recv_counts [n]
   -> rows exchange     x[token_of_row] [S, D] -> received [R, D];  meta [S, 2K] -> [R, 2K]
-  -> expert compute    (owner) valid pairs sorted by local slot -> grouped_expert_mlp -> * weight
+  -> expert compute    (owner) valid pairs sorted by local slot -> expert_rows -> * weight
                        -> index_add per received row -> partial [R, D] fp32
   -> reverse exchange  partial [R, D] -> back [S, D] fp32 (each row to the rank it came from)
   -> combine           (source) index_add of back into token_of_row -> [T, D] fp32 -> x's dtype
 
-Summation order matches `fused_moe` (slots ascend with ranks, pairs of a rank ascend by slot), so
-fp32 results agree with the single-process path up to the expert matmuls' own rounding.
+Expert outputs are summed per token in slot order (slots ascend with ranks, pairs of a rank ascend
+by slot), so fp32 results agree with the single-process path up to rounding.
 
 Legend: T tokens on this rank, D hidden, K experts per token, n ranks, P_local slots per rank,
 S rows sent, R rows received, N (row, slot) pairs received.
@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from pdmesh_engine.model.experts import expert_rows
 from pdmesh_engine.model.moe import ExpertDispatcher
-from pdmesh_kernels.moe import grouped_expert_mlp
 
 
 @dataclass
@@ -98,12 +98,9 @@ def run_local_experts(
     local = meta[:, :top_k]
     weights = meta[:, top_k:].to(torch.int32).view(torch.float32)  # [R, K]
     row, k = (local >= 0).nonzero(as_tuple=True)  # [N] pairs
-    slots = local[row, k]
-    order = torch.argsort(slots, stable=True)
+    slots, order = torch.sort(local[row, k], stable=True)
     row_sorted = row[order]
-    counts = torch.zeros(w13.shape[0], dtype=torch.int64, device=received.device)
-    counts.scatter_add_(0, slots, torch.ones_like(slots))
-    expert_out = grouped_expert_mlp(received[row_sorted], counts, w13, w2)  # [N, D]
+    expert_out = expert_rows(received[row_sorted], slots, w13, w2)  # [N, D]
     weighted = expert_out.float() * weights[row, k][order][:, None]
     partial = torch.zeros(
         received.shape[0], received.shape[1], dtype=torch.float32, device=received.device
