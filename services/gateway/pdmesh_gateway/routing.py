@@ -24,10 +24,12 @@ from enum import StrEnum
 
 from pdmesh_engine.block_hash import BlockHash, hash_full_blocks
 
-# Built-in starting point of the auto threshold (measured on the CPU reference mesh: see
-# HandoffModel): a hand-off costs about 25 ms besides the prefill; prefill runs ~3,000 tokens/s.
-DEFAULT_HANDOFF_OVERHEAD_S = 0.025
-DEFAULT_PREFILL_TOKENS_PER_S = 3000.0
+# Where the auto threshold starts (then it follows this gateway's hand-offs): what `HandoffModel`
+# measured over 80 hand-offs of the `small` model on a 2-core CPU mesh of 1 prefill + 1 decode
+# (`pdmesh bench routing --compare disagg`): 64 ms of overhead, prefill at ~1,380 tokens/s, so
+# prompts of up to ~88 uncached tokens are cheaper to prefill on the decode rank.
+DEFAULT_HANDOFF_OVERHEAD_S = 0.064
+DEFAULT_PREFILL_TOKENS_PER_S = 1380.0
 MIN_SPEED_SAMPLE_TOKENS = 256  # shorter prefills time mostly overhead: no speed sample
 
 
