@@ -23,6 +23,12 @@ submission to the last token; ratio = engine / transformers. Also per concurrenc
   measured at the start of the same run.
 - outputs_match: sequences whose tokens are identical between the two (greedy fp32: expect all).
 
+With `--against llama.cpp --llama-batched-bench BIN --gguf FILE` (a GGUF of the same checkpoint),
+llama.cpp's `llama-batched-bench` runs the same workload (`--input-len`, `--output-len`, the
+concurrencies as its batch sizes, the same thread count, its default settings) `--rounds` times
+after the engine, and each row also carries its decode tokens/s (S_TG) and step, beside the
+engine's decode-only figures (c / decode step): `pdmesh_bench.llamacpp`.
+
 Memory: peak RSS (`ru_maxrss`) for the whole process, which holds both models; RSS after loading
 each model is reported as well. `kv_bytes_per_token` is the engine's paged latent cache per token.
 """
@@ -43,6 +49,7 @@ from typing import Any
 import torch
 
 from pdmesh.cli.options import resolve_model
+from pdmesh_bench.llamacpp import BatchedBenchRow, run_batched_bench
 from pdmesh_bench.machine import (
     DecodeCostModel,
     MachinePeaks,
@@ -85,6 +92,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     p.add_argument("--quick", action="store_true", help="tiny sizes, for smoke tests")
+    p.add_argument(
+        "--against",
+        choices=["transformers", "llama.cpp"],
+        default="transformers",
+        help="llama.cpp: also run llama-batched-bench on --gguf and put its decode figures beside "
+        "ours (transformers always runs: it checks the tokens)",
+    )
+    p.add_argument("--llama-batched-bench", type=Path, help="llama.cpp's llama-batched-bench")
+    p.add_argument("--gguf", type=Path, help="a GGUF of the same checkpoint, for llama.cpp")
     add_engine_options(p)
     p.set_defaults(run=run)
 
@@ -105,6 +121,8 @@ def _defaults(args: argparse.Namespace) -> list[int]:
         ) from e
     if not levels or min(levels) < 1 or min(args.input_len, args.output_len, args.rounds) < 1:
         raise ValueError("--concurrency, --input-len, --output-len and --rounds must be >= 1")
+    if args.against == "llama.cpp" and not (args.llama_batched_bench and args.gguf):
+        raise ValueError("--against llama.cpp needs --llama-batched-bench BIN and --gguf FILE")
     set_threads(args.torch_threads)  # before the machine peaks are measured
     return levels
 
@@ -316,6 +334,8 @@ def run(args: argparse.Namespace) -> int:
     warm_up(engine, hf, args)
     cost = DecodeCostModel.from_model(engine.runner.model, engine.runner.kv_layout.bytes_per_token)
     results = [compare(c, args, engine, hf, cost, peaks) for c in levels]
+    if args.against == "llama.cpp":
+        add_llamacpp(results, llamacpp_rounds(args, levels))
     load_avg.append(os.getloadavg()[0])
     memory["peak_rss_bytes"] = rss_snapshot()["peak_rss_bytes"]
     report = {
@@ -340,6 +360,39 @@ def run(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0
+
+
+def llamacpp_rounds(
+    args: argparse.Namespace, levels: list[int]
+) -> list[dict[int, BatchedBenchRow]]:
+    rounds = []
+    for r in range(args.rounds):
+        _log(f"llama.cpp round {r + 1}/{args.rounds}: {args.llama_batched_bench.name} ...")
+        rounds.append(
+            run_batched_bench(
+                args.llama_batched_bench,
+                args.gguf,
+                args.input_len,
+                args.output_len,
+                levels,
+                torch.get_num_threads(),
+            )
+        )
+    return rounds
+
+
+def add_llamacpp(results: list[dict[str, Any]], rounds: list[dict[int, BatchedBenchRow]]) -> None:
+    """Each row gains llama.cpp's decode tokens/s and step (medians over its rounds), our decode
+    tokens/s from the median decode-only step, and their ratio (ours / llama.cpp)."""
+    for row in results:
+        c = row["concurrency"]
+        theirs = statistics.median(r[c].decode_tokens_per_s for r in rounds)
+        step = row["engine_decode_step_ms_median"]
+        ours = c * 1e3 / step if step else None
+        row["llamacpp_decode_tokens_per_s"] = theirs
+        row["llamacpp_decode_step_ms"] = statistics.median(r[c].step_ms for r in rounds)
+        row["engine_decode_tokens_per_s"] = ours
+        row["decode_ratio_vs_llamacpp"] = ours / theirs if ours and theirs else None
 
 
 def _hf_info(hf: Any) -> dict[str, Any]:
@@ -392,3 +445,11 @@ def print_table(report: dict[str, Any]) -> None:
             f"{_ms(r['hf_decode_step_ms_median']):>11} "
             f"{flop:>7} {bw:>6} {r['outputs_match']:>3}/{r['concurrency']}"
         )
+    if "llamacpp_decode_tokens_per_s" in report["results"][0]:
+        print(f"{'conc':>5} {'engine decode tok/s':>20} {'llama.cpp tok/s':>16} {'ratio':>7}")
+        for r in report["results"]:
+            ours, ratio = r["engine_decode_tokens_per_s"], r["decode_ratio_vs_llamacpp"]
+            print(
+                f"{r['concurrency']:>5} {ours or 0:>20.1f} "
+                f"{r['llamacpp_decode_tokens_per_s']:>16.1f} {ratio or 0:>6.2f}x"
+            )
