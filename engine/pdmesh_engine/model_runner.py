@@ -23,6 +23,7 @@ import torch
 
 from pdmesh_engine.checkpoint import DTYPES, iter_tensors
 from pdmesh_engine.config import EngineConfig, ModelConfig
+from pdmesh_engine.cpu_dtype import auto_cpu_dtype
 from pdmesh_engine.forward_batch import ForwardBatch
 from pdmesh_engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 from pdmesh_engine.model.moe import ExpertLoadRecorder, MoE
@@ -38,11 +39,12 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
-    """auto: float32 on CPU (faster than bf16 on most CPUs), the checkpoint's dtype on GPUs."""
+    """auto: on CPU bf16 where the CPU has native bf16 and it is measured faster for this model's
+    shapes, else float32 (`cpu_dtype.auto_cpu_dtype`); on GPUs the checkpoint's dtype."""
     if name != "auto":
         return DTYPES[name]
     if device.type == "cpu":
-        return torch.float32
+        return auto_cpu_dtype(model_config)
     return DTYPES.get(model_config.torch_dtype, torch.bfloat16)
 
 

@@ -8,7 +8,9 @@ metadata and MLA decode attention, and the CPU weight layouts.
 - a MoE layer's op count does not grow with the batch (no Python loop over experts) and it reads
   no scalar back to the host;
 - `mla_decode_cpu` over a `DecodeGather` equals `mla_decode_attention_ref` for scattered blocks
-  and unequal context lengths (and needs no mask when the lengths are equal);
+  and unequal context lengths, read in one chunk (the same arithmetic) or in many (the online
+  softmax, also with scores far apart between chunks); chunks split the block tables by rows
+  and need no mask where every decode is long enough;
 - `use_cpu_layouts` keeps every weight's values and shape, and the logits.
 """
 
@@ -185,25 +187,70 @@ def _scattered_batch(seq_lens: list[int], block_size: int, gen: torch.Generator)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mla_decode_cpu_matches_the_reference(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("chunk_rows", [10**6, 16, 1])  # one chunk; 1 block each; 1 block
+def test_mla_decode_cpu_matches_the_reference(dtype: torch.dtype, chunk_rows: int) -> None:
     gen = torch.Generator().manual_seed(3)
     block_size, heads, lat, rope = 4, 3, 16, 8
     batch = _scattered_batch([5, 13, 1, 8], block_size, gen)
     cache = torch.randn(40, block_size, lat + rope, generator=gen).to(dtype)
     q_latent = torch.randn(4, heads, lat, generator=gen).to(dtype)
     q_rope = torch.randn(4, heads, rope, generator=gen).to(dtype)
-    gather = DecodeGather.build(batch, block_size)
-    assert gather is not None and gather.context_len == 13 and gather.pad_mask is not None
+    gather = DecodeGather.build(batch, block_size, chunk_rows, one_read_rows=0)
+    assert gather is not None and gather.context_len == 13
+    assert len(gather.chunks) == (1 if chunk_rows > 16 else 4)
+    assert sum(chunk.num_rows for chunk in gather.chunks) == 13
+    assert gather.chunks[-1].pad_mask is not None  # the 13-token decode sets the width
     out = mla_decode_cpu(q_latent, q_rope, cache, gather, 0.3)
     ref = mla_decode_attention_ref(q_latent, q_rope, cache, batch.block_tables, batch.seq_lens, 0.3)
     assert out.dtype == dtype
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # one chunk: the reference's arithmetic; several: the online softmax reorders the sums
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, ref, rtol=tolerance, atol=tolerance)
 
 
-def test_decode_gather_needs_no_mask_for_equal_lengths_and_skips_prefills() -> None:
+def test_online_softmax_survives_far_apart_scores_and_long_contexts() -> None:
+    """Scores that grow along the context (a later chunk's max far above the first chunk's) and a
+    context of many chunks: the rescaling keeps the result equal to the one-read softmax."""
+    gen = torch.Generator().manual_seed(8)
+    block_size, heads, lat, rope = 16, 8, 32, 8
+    seq_lens = [300, 17, 257, 1]
+    batch = _scattered_batch(seq_lens, block_size, gen)
+    cache = torch.randn(64, block_size, lat + rope, generator=gen)
+    cache *= torch.linspace(0.1, 6.0, 64)[:, None, None]  # blocks of very different magnitude
+    q_latent = torch.randn(4, heads, lat, generator=gen)
+    q_rope = torch.randn(4, heads, rope, generator=gen)
+    one = DecodeGather.build(batch, block_size, 10**6)
+    many = DecodeGather.build(batch, block_size, 4 * 2 * block_size, 0)  # 2 blocks a chunk
+    assert one is not None and many is not None
+    assert len(one.chunks) == 1 and len(many.chunks) == 10
+    assert many.chunks[0].pad_mask is not None  # the 1-token decode pads from the first chunk
+    expected = mla_decode_cpu(q_latent, q_rope, cache, one, 0.5)
+    out = mla_decode_cpu(q_latent, q_rope, cache, many, 0.5)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    ref = mla_decode_attention_ref(q_latent, q_rope, cache, batch.block_tables, batch.seq_lens, 0.5)
+    torch.testing.assert_close(expected, ref, rtol=0, atol=0)  # one chunk: the same arithmetic
+
+
+def test_decode_gather_chunks_by_rows_and_skips_prefills() -> None:
     gen = torch.Generator().manual_seed(4)
     equal = DecodeGather.build(_scattered_batch([6, 6], 4, gen), 4)
-    assert equal is not None and equal.pad_mask is None and equal.block_ids.shape == (4,)
+    assert equal is not None and len(equal.chunks) == 1
+    assert equal.chunks[0].pad_mask is None and equal.chunks[0].block_ids.shape == (4,)
+    # 2 decodes x 4 rows per block, 16 rows per chunk: 2 block positions per chunk
+    batch = _scattered_batch([21, 9], 4, gen)
+    chunked = DecodeGather.build(batch, 4, chunk_rows=16, one_read_rows=0)
+    assert chunked is not None
+    assert [chunk.num_rows for chunk in chunked.chunks] == [8, 8, 5]
+    assert [chunk.pad_mask is None for chunk in chunked.chunks] == [True, False, False]
+    tables = batch.block_tables.long()
+    assert torch.equal(chunked.chunks[1].block_ids, tables[:, 2:4].reshape(-1))
+    mask = chunked.chunks[1].pad_mask
+    assert mask is not None and mask.shape == (2, 1, 8)
+    assert mask[0].sum() == 0 and mask[1, 0].tolist() == [False] + [True] * 7  # position 8 < 9
+    # up to one_read_rows (B x S padded to blocks) rows: one read, whatever chunk_rows says
+    assert len(DecodeGather.build(batch, 4, chunk_rows=16, one_read_rows=48).chunks) == 1
+    assert len(DecodeGather.build(batch, 4, chunk_rows=16, one_read_rows=47).chunks) == 3
     prefill = ForwardBatch.build([[1, 2, 3]], [0], [[0]], 4, [True], torch.device("cpu"))
     assert DecodeGather.build(prefill, 4) is None
 

@@ -9,7 +9,7 @@ attention biases.
 
 - full-sequence logits (one prefill) and teacher-forced logits through chunked prefill plus
   absorbed-MLA decode steps over a scattered paged cache, for every model, within FP32_ATOL of
-  transformers in fp32;
+  transformers in fp32, also with the decode attention read in many chunks (online softmax);
 - greedy generation of mixed-length prompts (chunked prefills and decodes in the same steps, shared
   prefixes served from the prefix cache) token for token equal to `generate()`, one prompt at a
   time;
@@ -32,6 +32,7 @@ pytest.importorskip("transformers")
 
 from pdmesh_engine import EngineConfig, EngineCore, SamplingParams  # noqa: E402
 from pdmesh_engine.forward_batch import ForwardBatch  # noqa: E402
+from pdmesh_engine.model import attention  # noqa: E402
 
 MODELS = ("base", "yarn_noqlora", "yarn_dense2")
 FP32_ATOL = 1e-4  # max |logit difference| to transformers in fp32
@@ -249,6 +250,22 @@ def test_chunked_prefill_and_decode_logits_match_reference(reference_models, nam
         decode = (logits[prompt_len:] - expected[prompt_len:]).abs().max().item()
         assert prefill <= FP32_ATOL, f"{name}: chunked prefill max |logit diff| {prefill:.2e}"
         assert decode <= FP32_ATOL, f"{name}: decode max |logit diff| {decode:.2e}"
+    assert_all_blocks_back(eng)
+
+
+def test_decode_attention_in_many_chunks_matches_reference(reference_models, monkeypatch):
+    """The online-softmax decode attention (here one block position per chunk, so every decode
+    step of the longer sequence reads 8+ chunks) gives the reference's logits too."""
+    monkeypatch.setattr(attention, "CHUNK_ROWS", 1)
+    monkeypatch.setattr(attention, "ONE_READ_ROWS", 0)
+    ref = reference_models["base"]
+    eng = make_engine(ref)
+    seqs = mixed_sequences(ref, 64, eng.config.block_size)
+    ours = teacher_forced_logits(eng, seqs)
+    for seq, logits in zip(seqs, ours, strict=True):
+        expected = reference_logits(ref, seq.ids)
+        decode = (logits[sum(seq.chunks) :] - expected[sum(seq.chunks) :]).abs().max().item()
+        assert decode <= FP32_ATOL, f"many-chunk decode max |logit diff| {decode:.2e}"
     assert_all_blocks_back(eng)
 
 
