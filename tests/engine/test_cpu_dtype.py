@@ -6,10 +6,10 @@ with the kernel's CPU flags.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from test_cpu_decode import _config as small_config
 
 from pdmesh_engine.config import ModelConfig
 from pdmesh_engine.cpu_dtype import BF16_MIN_HIDDEN, auto_cpu_dtype, has_native_bf16
@@ -17,27 +17,7 @@ from pdmesh_engine.model_runner import resolve_dtype
 
 
 def _config(hidden_size: int) -> ModelConfig:
-    settings: dict[str, Any] = dict(
-        vocab_size=64,
-        hidden_size=hidden_size,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        n_routed_experts=8,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        first_k_dense_replace=1,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-        q_lora_rank=16,
-        max_position_embeddings=128,
-    )
-    return ModelConfig(**settings)
+    return small_config(hidden_size=hidden_size)
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,8 @@ import argparse
 import os
 import signal
 import time
+from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -111,3 +113,24 @@ def heartbeat_s(mesh: Mesh, name: str) -> float:
     role_args = spec.argv[spec.argv.index("serve") + 2 :]
     args, _ = parser.parse_known_args(role_args)
     return float(args.heartbeat_s)
+
+
+def start_mesh(model: Path, log_dir: Path, deployment: str, **options: Any) -> Mesh:
+    """A started mesh on loopback: free ports, the tests' worker options (`WORKER_ARGS`), and
+    `options` (other `MeshOptions` fields: roles, mode, gateway arguments, ...)."""
+    from pdmesh.launcher import MeshOptions
+    from pdmesh_service.redis_server import free_port
+
+    mesh = Mesh(
+        MeshOptions(
+            model_dir=model,
+            http_port=free_port(),
+            grpc_port=free_port(),
+            deployment=deployment,
+            log_dir=log_dir,
+            worker_args=WORKER_ARGS,
+            **options,
+        )
+    )
+    mesh.start(timeout_s=240, progress=lambda line: None)
+    return mesh

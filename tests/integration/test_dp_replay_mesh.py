@@ -13,11 +13,10 @@ import math
 from pathlib import Path
 
 import pytest
-from meshlib import WORKER_ARGS, http_url, wait_idle, worker_status
+from meshlib import http_url, start_mesh, wait_idle, worker_status
 
-from pdmesh.launcher import Mesh, MeshOptions
+from pdmesh.launcher import Mesh
 from pdmesh_bench import serve
-from pdmesh_service.redis_server import free_port
 
 DP_SIZE = 2
 NUM_REQUESTS = 4
@@ -25,20 +24,14 @@ NUM_REQUESTS = 4
 
 @pytest.fixture(scope="module")
 def dep2_prefill_mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
-    options = MeshOptions(
-        model_dir=tiny_model,
+    mesh = start_mesh(
+        tiny_model,
+        tmp_path_factory.mktemp("logs-dp-replay"),
+        "test-dp-replay",
         num_prefill=1,
         num_decode=1,
-        mode="disagg",
-        http_port=free_port(),
-        grpc_port=free_port(),
-        deployment="test-dp-replay",
-        log_dir=tmp_path_factory.mktemp("logs-dp-replay"),
-        worker_args=WORKER_ARGS,
         prefill_dep=DP_SIZE,
     )
-    mesh = Mesh(options)
-    mesh.start(timeout_s=240, progress=lambda line: None)
     yield mesh
     mesh.stop()
 

@@ -14,12 +14,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from meshlib import WORKER_ARGS, heartbeat_s, http_url, kill, mesh_metadata, respawn
+from meshlib import heartbeat_s, http_url, kill, mesh_metadata, respawn, start_mesh
 from openai import OpenAI
 
-from pdmesh.launcher import Mesh, MeshOptions
+from pdmesh.launcher import Mesh
 from pdmesh_engine.block_hash import hash_full_blocks
-from pdmesh_service.redis_server import free_port
 from pdmesh_service.registry import TTL_BEATS
 
 BLOCK_SIZE = 8  # meshlib.WORKER_ARGS
@@ -95,18 +94,13 @@ def test_the_prefill_rank_is_indexed_for_the_prompt_it_computed(disagg_mesh, tin
 def two_prefill_mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     """Two prefill ranks and a decode rank, unsupervised: the tests below kill and restart its
     services themselves."""
-    options = MeshOptions(
-        model_dir=tiny_model,
+    mesh = start_mesh(
+        tiny_model,
+        tmp_path_factory.mktemp("logs-prefix-index"),
+        "test-prefix-index",
         num_prefill=2,
         num_decode=1,
-        http_port=free_port(),
-        grpc_port=free_port(),
-        deployment="test-prefix-index",
-        log_dir=tmp_path_factory.mktemp("logs-prefix-index"),
-        worker_args=WORKER_ARGS,
     )
-    mesh = Mesh(options)
-    mesh.start(timeout_s=240, progress=lambda line: None)
     yield mesh
     mesh.stop()
 

@@ -11,11 +11,10 @@ import time
 import grpc
 import httpx
 import pytest
-from meshlib import WORKER_ARGS, http_url, mesh_metadata
+from meshlib import http_url, mesh_metadata, start_mesh
 
-from pdmesh.launcher import Mesh, MeshOptions
+from pdmesh.launcher import Mesh
 from pdmesh_gateway.routing import prompt_block_hashes
-from pdmesh_service.redis_server import free_port
 
 BLOCK_SIZE = 8  # meshlib.WORKER_ARGS
 LOCAL_TOKENS = 24  # prompts with at most this many tokens uncached on decode are prefilled there
@@ -23,19 +22,14 @@ LOCAL_TOKENS = 24  # prompts with at most this many tokens uncached on decode ar
 
 @pytest.fixture(scope="module")
 def mesh(tiny_model, tmp_path_factory):
-    options = MeshOptions(
-        model_dir=tiny_model,
+    mesh = start_mesh(
+        tiny_model,
+        tmp_path_factory.mktemp("logs-routing"),
+        "test-routing",
         num_prefill=2,
         num_decode=1,
-        http_port=free_port(),
-        grpc_port=free_port(),
-        deployment="test-routing",
-        log_dir=tmp_path_factory.mktemp("logs-routing"),
-        worker_args=WORKER_ARGS,
         gateway_args=("--local-prefill-tokens", str(LOCAL_TOKENS)),
     )
-    mesh = Mesh(options)
-    mesh.start(timeout_s=240, progress=lambda line: None)
     yield mesh
     mesh.stop()
 
