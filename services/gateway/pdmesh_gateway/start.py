@@ -294,16 +294,15 @@ class Starter:
 
     async def _cached(self, request: GenerationRequest, excluded: Exclusions) -> dict[str, int]:
         """Per rank, the prompt tokens it holds (what routing needs: prefill ranks for the
-        cache-aware choice, decode ranks for a local prefill); {} when neither is on."""
-        roles = []
-        if self.routing.prefill is PrefillRouting.CACHE_AWARE:
-            roles.append(Role.PREFILL)
-        if self.local_threshold > 0:
-            roles.append(Role.DECODE)
+        cache-aware choice when there is a choice, decode ranks for a local prefill); {} without
+        a lookup when neither applies."""
         skipped = self._skipped(excluded)
-        ranks = [
-            i for role in roles for i in self.router.ready(role) if i.instance_id not in skipped
-        ]
+        ranks = []
+        if self.routing.prefill is PrefillRouting.CACHE_AWARE:
+            prefills = [i for i in self.router.ready(Role.PREFILL) if i.instance_id not in skipped]
+            ranks += prefills if len(prefills) > 1 else []
+        if self.local_threshold > 0:
+            ranks += [i for i in self.router.ready(Role.DECODE) if i.instance_id not in skipped]
         return await self.lookup.cached(request.prompt_ids, ranks) if ranks else {}
 
     def _local_decode(
