@@ -77,6 +77,71 @@ PRESETS: dict[str, dict[str, Any]] = {
         v_head_dim=16,
         max_position_embeddings=2048,
     ),
+    # For speculative-decoding tests: a draft for `tiny` (same tokenizer, another MoE shape:
+    # 4 experts top-1, 2 layers, no MTP layer).
+    "tiny-draft": dict(
+        _COMMON,
+        vocab_size=1024,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        n_routed_experts=4,
+        num_experts_per_tok=1,
+        n_group=2,
+        topk_group=1,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        max_position_embeddings=2048,
+        num_nextn_predict_layers=0,
+    ),
+    # The trained default (`pdmesh model train --preset coder`, see models/): ~4.7M parameters
+    # active per token, 4 MoE layers of 24 experts (top-4 from 2 of 4 groups), trained on the
+    # standard library's Python sources with a source-code tokenizer (vocab 4096).
+    "coder": dict(
+        _COMMON,
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=768,
+        moe_intermediate_size=96,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        n_routed_experts=24,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        q_lora_rank=128,
+        kv_lora_rank=64,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        max_position_embeddings=2048,
+    ),
+    # Its draft model: the same tokenizer, another MoE shape (8 experts top-2, 2 layers), no MTP.
+    "coder-draft": dict(
+        _COMMON,
+        vocab_size=4096,
+        hidden_size=128,
+        intermediate_size=384,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        q_lora_rank=64,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        max_position_embeddings=2048,
+        num_nextn_predict_layers=0,
+    ),
     # For benchmarks: ~157M parameters, ~28M active per token; 11 MoE layers of 64 fine-grained
     # experts (top-4 from 4 of 8 groups, DeepSeek-V3's ratios), MLA with a 128+32 latent cache.
     "small": dict(
@@ -455,46 +520,6 @@ def init_model(
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-def cache_root() -> Path:
-    """pdmesh's cache directory: `$PDMESH_CACHE`, else `~/.cache/pdmesh` (the one place reading
-    it)."""
-    env = os.environ.get("PDMESH_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "pdmesh"
-
-
-def _is_current(model_dir: Path, preset: str, seed: int) -> bool:
-    meta_path = model_dir / "pdmesh_init.json"
-    if not meta_path.is_file():
-        return False
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError:
-        return False
-    return (
-        meta.get("version") == INIT_FORMAT_VERSION
-        and meta.get("seed") == seed
-        and meta.get("config") == preset_config(preset, meta.get("dtype", "float32"))
-    )
-
-
-def default_model_dir(cache_root_dir: Path | None = None) -> Path:
-    """The cached `small` preset (seed 0), generated on first use under
-    `<cache>/models/small-seed0`."""
-    target = (cache_root_dir or cache_root()) / "models" / "small-seed0"
-    if _is_current(target, "small", 0):
-        return target
-    print(
-        f"pdmesh: generating the default model (preset 'small', seed 0) in {target} ...",
-        file=sys.stderr,
-    )
-    try:
-        init_model(target, "small", 0, overwrite=target.exists())
-    except FileExistsError:
-        if not _is_current(target, "small", 0):  # not another process finishing first
-            raise
-    return target
 
 
 def add_init_arguments(parser: argparse.ArgumentParser) -> None:

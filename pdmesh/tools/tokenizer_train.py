@@ -57,7 +57,12 @@ def stdlib_corpus() -> list[str]:
 
 @lru_cache(maxsize=4)
 def train_tokenizer(vocab_size: int) -> str:
-    """A byte-level BPE tokenizer trained on `stdlib_corpus()`, as tokenizer.json text.
+    """A byte-level BPE tokenizer trained on `stdlib_corpus()`, as tokenizer.json text."""
+    return train_bpe(stdlib_corpus(), vocab_size)
+
+
+def train_bpe(texts: list[str], vocab_size: int) -> str:
+    """A byte-level BPE tokenizer trained on `texts` (deterministic), as tokenizer.json text.
 
     Special tokens take ids 0-3 (BOS, EOS, User, Assistant); the post-processor prepends BOS.
     """
@@ -70,7 +75,7 @@ def train_tokenizer(vocab_size: int) -> str:
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(stdlib_corpus(), trainer)
+    tok.train_from_iterator(texts, trainer)
     if [tok.token_to_id(t) for t in SPECIAL_TOKENS] != list(range(len(SPECIAL_TOKENS))):
         raise RuntimeError("tokenizer training did not give the special tokens ids 0..3")
     if tok.get_vocab_size() > vocab_size:

@@ -14,10 +14,8 @@ from safetensors import safe_open
 from pdmesh.tools import model_init
 from pdmesh.tools.model_init import (
     PRESETS,
-    cache_root,
     count_mtp_parameters,
     count_parameters,
-    default_model_dir,
     init_model,
     preset_config,
     preset_model_config,
@@ -193,31 +191,3 @@ def test_cli_main(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert out.out.strip() == str((tmp_path / "cli").resolve())
     assert "pdmesh:" in out.err and len(out.err.splitlines()) <= 4
     assert json.loads((tmp_path / "cli" / "pdmesh_init.json").read_text())["seed"] == 3
-
-
-def test_cache_root_and_default_model_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PDMESH_CACHE", str(tmp_path / "cache"))
-    assert cache_root() == tmp_path / "cache"
-    monkeypatch.delenv("PDMESH_CACHE")
-    assert cache_root() == Path.home() / ".cache" / "pdmesh"
-    calls = []
-
-    def fake_init(
-        out: Path, preset: str, seed: int, **kwargs: object
-    ) -> Path:  # generating small is too slow
-        calls.append((preset, seed))
-        out.mkdir(parents=True, exist_ok=True)
-        meta = {
-            "version": model_init.INIT_FORMAT_VERSION,
-            "preset": preset,
-            "seed": seed,
-            "dtype": "float32",
-            "config": preset_config(preset),
-        }
-        (out / "pdmesh_init.json").write_text(json.dumps(meta))
-        return out
-
-    monkeypatch.setattr(model_init, "init_model", fake_init)
-    path = default_model_dir(tmp_path / "c")
-    assert path == tmp_path / "c" / "models" / "small-seed0" and calls == [("small", 0)]
-    assert default_model_dir(tmp_path / "c") == path and len(calls) == 1  # cached

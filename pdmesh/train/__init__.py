@@ -1,0 +1,1 @@
+"""Training DeepSeek-V3 presets (`pdmesh model train`)."""
