@@ -58,10 +58,15 @@ from pdmesh_bench.machine import (
     rss_snapshot,
     set_threads,
 )
+from pdmesh_bench.spec import print_spec_table, run_spec_bench
 from pdmesh_engine.engine_core import EngineCore
 from pdmesh_engine.sampling import SamplingParams
 from pdmesh_engine.scheduler import SchedulerOutput
-from pdmesh_service.worker.engine_options import add_engine_options, engine_config
+from pdmesh_service.worker.engine_options import (
+    add_engine_options,
+    add_speculative_options,
+    engine_config,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -102,6 +107,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--llama-batched-bench", type=Path, help="llama.cpp's llama-batched-bench")
     p.add_argument("--gguf", type=Path, help="a GGUF of the same checkpoint, for llama.cpp")
     add_engine_options(p)
+    add_speculative_options(p, k_list=True)
     p.set_defaults(run=run)
 
 
@@ -187,6 +193,7 @@ def run_engine(engine: EngineCore, prompts: list[list[int]], output_len: int) ->
         "steps": len(recorder.steps),
         "decode_steps": decodes,
         "decode_step_ms": statistics.median(s for s, _ in decodes) * 1e3 if decodes else None,
+        "step_ms": statistics.median(s for s, _ in recorder.steps) * 1e3,
     }
 
 
@@ -324,6 +331,8 @@ def run(args: argparse.Namespace) -> int:
     config = dataclasses.replace(
         config, max_num_seqs=max(config.max_num_seqs, max(levels)), seed=args.seed
     )
+    if args.num_speculative_tokens is not None:
+        return run_spec(args, model_dir, config, levels, load_avg)
     _log(f"loading the engine from {model_dir}")
     engine = EngineCore(model_dir, config)
     memory = {"after_engine_load": rss_snapshot()}
@@ -356,6 +365,36 @@ def run(args: argparse.Namespace) -> int:
         "hf": _hf_info(hf),
     }
     print_table(report)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def run_spec(
+    args: argparse.Namespace,
+    model_dir: Path,
+    config: Any,
+    levels: list[int],
+    load_avg: list[float],
+) -> int:
+    """Speculative decoding off and on side by side (`pdmesh_bench.spec`); no transformers."""
+    rows, dtype = run_spec_bench(args, model_dir, config, levels, run_engine, _log)
+    load_avg.append(os.getloadavg()[0])
+    report = {
+        "results": rows,
+        "model": str(model_dir),
+        "speculative_method": args.speculative_method or "mtp",
+        "draft_model": str(args.draft_model) if args.draft_model else None,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "seed": args.seed,
+        "rounds": args.rounds,
+        "dtype": dtype,
+        "threads": torch.get_num_threads(),
+        "load_average_1min": load_avg,
+    }
+    print_spec_table(report)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")

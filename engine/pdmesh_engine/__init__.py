@@ -6,6 +6,9 @@ Data flow of one step:
       logits
     → Sampler → SampledToken → Scheduler.update_from_output() → StepOutput → OutputProcessor →
       CompletionOutput
+With speculative decoding on (`EngineConfig.speculative_method`), the runner's `SpecDecoder`
+verifies each decoding request's drafts in the same forward and proposes the next ones (MTP layer or
+draft model): SchedulerOutput (+ drafts) → ForwardBatch → logits → acceptance → SpecTokens.
 
 `LLM` is the offline front end; `EngineCore` is what services wrap. Exports load on first use, so
 light users (the gateway's tokenizer, sampling validation) do not import torch.

@@ -33,6 +33,19 @@ _GENERATION_KEYS = (
     "bos_token_id",
 )
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # torch_dtype name -> torch.dtype
+# The embedded trained checkpoints (`pdmesh model train`; their cards say how they were made).
+EMBEDDED_DIR = Path(__file__).parent / "checkpoints"
+
+
+def embedded_model_dir(name: str = "coder") -> Path:
+    """An embedded checkpoint: "coder", the default model, or "coder-draft", its draft model."""
+    path = EMBEDDED_DIR / name
+    if not (path / "config.json").is_file():
+        raise CheckpointError(
+            f"{path}: the embedded {name!r} checkpoint is not installed (install pdmesh-engine "
+            "from the repository, or pass a model directory)"
+        )
+    return path
 
 
 def _require_dir(model_dir: str | Path) -> Path:

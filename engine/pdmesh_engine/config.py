@@ -14,6 +14,8 @@ SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
 # weight/KV dtypes, as config.json's torch_dtype names them
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+SPECULATIVE_METHODS = ("mtp", "draft_model")
+MAX_SPECULATIVE_TOKENS = 8
 
 
 class CheckpointError(ValueError):
@@ -215,6 +217,12 @@ class EngineConfig:
     expert_load_window: int = 1000  # steps of per-slot expert load kept for EPLB (a ring)
     # decode: at most this many requests whose KV just arrived join the batch per step; None: no cap
     max_kv_loads_per_step: int | None = None
+    # speculative decoding (offline engine only; see pdmesh_engine.spec_decode): None (off) | "mtp"
+    # (the checkpoint's own MTP layer drafts) | "draft_model" (a smaller checkpoint in
+    # `draft_model` drafts); `num_speculative_tokens` K drafts per step, 1..8 when a method is set
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 0
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -240,3 +248,36 @@ class EngineConfig:
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
             )
+        self._validate_speculation()
+
+    def _validate_speculation(self) -> None:
+        method, k = self.speculative_method, self.num_speculative_tokens
+        if method is None:
+            if k:
+                raise ValueError(
+                    f"num_speculative_tokens={k} needs a speculative_method "
+                    f"({' or '.join(SPECULATIVE_METHODS)})"
+                )
+            if self.draft_model is not None:
+                raise ValueError("draft_model needs speculative_method='draft_model'")
+            return
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_method must be one of {SPECULATIVE_METHODS} (or None), got {method!r}"
+            )
+        if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}] with "
+                f"speculative_method={method!r}, got {k}"
+            )
+        if method == "draft_model" and not self.draft_model:
+            raise ValueError(
+                "speculative_method='draft_model' needs draft_model: a checkpoint directory"
+            )
+        if method != "draft_model" and self.draft_model is not None:
+            raise ValueError("draft_model is only used with speculative_method='draft_model'")
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """K: drafts verified per decode step (0: speculative decoding is off)."""
+        return self.num_speculative_tokens if self.speculative_method else 0

@@ -6,6 +6,10 @@ background (pdmesh_engine.parallel.placement); `step()` switches to it at a step
 single-rank engine at the first step after staging finished, a DEP rank in the step where every rank
 has it ready (agreed through the per-step DP sync, pdmesh_engine.parallel.dep). Greedy outputs do
 not change: a placement only decides which slot computes an expert.
+
+Speculative decoding (`EngineConfig.speculative_method`, single rank only): the scheduler schedules
+drafts, the runner verifies and proposes (`ModelRunner.execute_spec`), and a step may emit several
+tokens per request; `spec_decode_stats()` (also on `status()`) says how many drafts were accepted.
 """
 
 from __future__ import annotations
@@ -23,7 +27,14 @@ from pdmesh_engine.parallel.dep import DEPContext, LockstepStepper
 from pdmesh_engine.parallel.placement import CheckpointTensors, PlacementStager, StagingStats
 from pdmesh_engine.request import Request, RequestStatus
 from pdmesh_engine.sampling import SamplingParams, check_prompt
-from pdmesh_engine.scheduler import Scheduler, SchedulerConfig, StepOutput
+from pdmesh_engine.scheduler import (
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    SpecTokens,
+    StepOutput,
+)
+from pdmesh_engine.spec_decode import SpecDecodeCounter, SpecDecodeStats
 
 if TYPE_CHECKING:
     import torch
@@ -40,6 +51,7 @@ class CoreStatus:
     kv: KVCacheStats
     # routed-expert weights this rank holds (about 1/dp_size of them under DEP)
     expert_weight_bytes: int
+    spec_decode: SpecDecodeStats | None = None  # None: speculative decoding is off
 
 
 class EngineCore:
@@ -52,6 +64,8 @@ class EngineCore:
         """`dep`: this engine is one rank of a DEP instance (see pdmesh_engine.parallel.dep); step()
         is collective."""
         self.config = config or EngineConfig()
+        if dep is not None and self.config.speculative_method:
+            raise ValueError("speculative decoding runs on a single-rank engine, not under DEP")
         self.model_config = ModelConfig.from_dir(model_dir)
         self.runner = ModelRunner(
             model_dir,
@@ -62,7 +76,13 @@ class EngineCore:
         layout = self.runner.kv_layout
         # DEP: the last block is the dummy forward's scratch
         num_blocks = layout.num_blocks - (1 if dep else 0)
-        self.kv = KVCacheManager(num_blocks, layout.block_size, self.config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            num_blocks,
+            layout.block_size,
+            self.config.enable_prefix_caching,
+            # the MTP layer's KV at t depends on token t + 1 (KVCacheManager docstring)
+            recompute_last_hit=self.config.speculative_method == "mtp",
+        )
         self.max_model_len = min(
             self.config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,
@@ -80,14 +100,20 @@ class EngineCore:
                 placement=self.stager,
                 size=dep.config.size,
             )
+        proposer = self.runner.proposer
         self.scheduler = Scheduler(
             SchedulerConfig(
                 self.config.max_num_seqs,
                 self.config.max_num_batched_tokens,
                 self.max_model_len,
                 self.config.max_kv_loads_per_step,
+                self.config.num_spec_tokens,
+                proposer.num_lookahead_tokens if proposer is not None else 0,
             ),
             self.kv,
+        )
+        self.spec_counter = (
+            SpecDecodeCounter(self.config.num_spec_tokens) if self.config.num_spec_tokens else None
         )
         self._ids = itertools.count()
 
@@ -151,9 +177,21 @@ class EngineCore:
         if self.lockstep is not None:  # DEP: DP sync, then the batch, a dummy forward or nothing
             pending = self.scheduler.num_running + len(self.scheduler.waiting)
             sampled = self.lockstep.execute(output, self.scheduler.requests, pending)
+        elif self.spec_counter is not None:
+            return self._spec_step(output, self.spec_counter)
         else:
             sampled = self.runner.execute(output, self.scheduler.requests)
         return self.scheduler.update_from_output(output, sampled)
+
+    def _spec_step(self, output: SchedulerOutput, counter: SpecDecodeCounter) -> list[StepOutput]:
+        verified: dict[str, SpecTokens] = self.runner.execute_spec(output, self.scheduler.requests)
+        for spec in verified.values():
+            counter.record(spec.num_draft_tokens, spec.num_accepted)
+        return self.scheduler.update_from_output(output, verified)
+
+    def spec_decode_stats(self) -> SpecDecodeStats | None:
+        """Draft acceptance since start (`SpecDecodeStats`); None with speculation off."""
+        return self.spec_counter.stats() if self.spec_counter is not None else None
 
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id)
@@ -224,6 +262,7 @@ class EngineCore:
             self.scheduler.num_waiting,
             self.kv.stats(),
             self.runner.expert_weight_bytes(),
+            self.spec_decode_stats(),
         )
 
     def request_ids(self) -> list[str]:

@@ -179,10 +179,25 @@ class BlockPool:
 
 
 class KVCacheManager:
-    """Blocks of each request; prefix reuse at admission, hashes registered as blocks fill."""
+    """Blocks of each request; prefix reuse at admission, hashes registered as blocks fill.
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    `recompute_last_hit`: a prefix hit gives up its last block, which the request computes again.
+    For KV whose entry at position t also depends on token t + 1 (an MTP layer's cache: its input
+    at t is the embedding of token t + 1), the entry at a cached block's last position belongs to
+    whatever token followed the block in the request that computed it, which the block's hash
+    does not cover; recomputing the last block rewrites that entry, and every earlier block's
+    last entry depends only on tokens its successor's hash covers.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        recompute_last_hit: bool = False,
+    ) -> None:
         self.block_size = block_size
+        self.recompute_last_hit = recompute_last_hit
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[int]] = {}
         self.req_hashes: dict[str, list[BlockHash]] = {}
@@ -202,6 +217,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.recompute_last_hit and hits:
+            hits.pop()
         self.req_hashes[request_id] = hashes[: len(hits)]
         return hits
 

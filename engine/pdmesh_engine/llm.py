@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdmesh_engine.checkpoint import embedded_model_dir
 from pdmesh_engine.config import EngineConfig
 from pdmesh_engine.engine_core import EngineCore
 from pdmesh_engine.parallel.dep import LockstepRecord
@@ -51,38 +52,62 @@ class OutputProcessor:
         self.states[request_id] = (CompletionOutput(request_id, prompt_ids), detok, params)
 
     def process(self, step: StepOutput, finish: Callable[[str, str], None]) -> CompletionOutput:
+        """Take one step's tokens in order; a step with several (speculative decoding) is read a
+        token at a time, so a stop string ends the output where one token per step would have,
+        and tokens after it are dropped."""
         out, detok, params = self.states[step.request_id]
-        out.token_ids.extend(step.new_token_ids)
-        out.logprobs.extend(step.new_logprobs)
-        out.top_logprobs.extend(step.new_top_logprobs)
         out.num_cached_tokens = step.num_cached_tokens
-        delta = detok.push(step.new_token_ids)
-        if step.finish_reason is not None:
-            delta += detok.flush()  # the stream ends: emit a held-back incomplete character too
-        out.text += delta
-        out.finish_reason, out.stop_reason = step.finish_reason, step.stop_reason
-        # a stop string may still cut a running request, or the text of one that ran out of length
-        if params.stop and out.finish_reason in (None, "length"):
-            hit = find_stop_string(out.text, params.stop, len(delta))
-            if hit is not None:
-                index, stop = hit
-                out.text = (
-                    out.text[: index + len(stop)]
-                    if params.include_stop_str_in_output
-                    else out.text[:index]
-                )
-                if out.finish_reason is None:
-                    finish(step.request_id, stop)
-                out.finish_reason, out.stop_reason = "stop", stop
+        ids = step.new_token_ids
+        for i in range(max(len(ids), 1)):
+            is_last = i >= len(ids) - 1
+            if self._take(step, i, is_last, out, detok, params, finish):
+                break
         if out.finished:
             del self.states[step.request_id]
         return out
 
+    @staticmethod
+    def _take(
+        step: StepOutput,
+        i: int,
+        is_last: bool,
+        out: CompletionOutput,
+        detok: IncrementalDetokenizer,
+        params: SamplingParams,
+        finish: Callable[[str, str], None],
+    ) -> bool:
+        """Add the step's token i (with its logprobs); True if a stop string ended the output."""
+        out.token_ids.extend(step.new_token_ids[i : i + 1])
+        out.logprobs.extend(step.new_logprobs[i : i + 1])
+        out.top_logprobs.extend(step.new_top_logprobs[i : i + 1])
+        delta = detok.push(step.new_token_ids[i : i + 1])
+        finish_reason = step.finish_reason if is_last else None
+        if finish_reason is not None:
+            delta += detok.flush()  # the stream ends: emit a held-back incomplete character too
+        out.text += delta
+        out.finish_reason, out.stop_reason = finish_reason, step.stop_reason if is_last else None
+        # a stop string may still cut a running request, or the text of one that ran out of length
+        if not params.stop or out.finish_reason not in (None, "length"):
+            return False
+        hit = find_stop_string(out.text, params.stop, len(delta))
+        if hit is None:
+            return False
+        index, stop = hit
+        out.text = (
+            out.text[: index + len(stop)] if params.include_stop_str_in_output else out.text[:index]
+        )
+        if step.finish_reason is None:
+            finish(step.request_id, stop)
+        out.finish_reason, out.stop_reason = "stop", stop
+        return True
+
 
 class LLM:
     def __init__(
-        self, model_dir: str | Path, config: EngineConfig | None = None, **overrides
+        self, model_dir: str | Path | None = None, config: EngineConfig | None = None, **overrides
     ) -> None:
+        """`model_dir` None: the embedded default model (`checkpoint.embedded_model_dir`)."""
+        model_dir = embedded_model_dir() if model_dir is None else model_dir
         if overrides:
             config = EngineConfig(**{**(config.__dict__ if config else {}), **overrides})
         self.engine = EngineCore(model_dir, config)

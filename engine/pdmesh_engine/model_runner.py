@@ -10,6 +10,12 @@ reports it finished (`SchedulerOutput.finished_ids`, aborts included). Its state
 non-greedy row, so a request whose first token was sampled elsewhere (decode after prefill) starts
 one draw ahead, a migrated request starts `prior_output_tokens` draws ahead, and a preempted request
 keeps its generator.
+
+Speculative decoding (`EngineConfig.speculative_method`): `execute_spec` replaces `execute`; a
+`SpecDecoder` (pdmesh_engine.spec_runner) verifies the scheduled drafts with this runner's model and
+proposes the next ones with a proposer (pdmesh_engine.spec_proposer) whose KV cache is a second
+tensor addressed by the same block ids. Its seeded requests draw a different (but reproducible)
+stream than `execute` does.
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ from pdmesh_engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 from pdmesh_engine.model.moe import ExpertLoadRecorder, MoE
 from pdmesh_engine.request import Request
 from pdmesh_engine.sampler import Sampler, SamplerOutput
-from pdmesh_engine.scheduler import SampledToken, SchedulerOutput
+from pdmesh_engine.scheduler import SampledToken, SchedulerOutput, SpecTokens
+from pdmesh_engine.spec_proposer import DraftModelProposer, MTPProposer, Proposer, check_draft
+from pdmesh_engine.spec_runner import SpecDecoder
 
 
 def resolve_device(name: str) -> torch.device:
@@ -77,17 +85,49 @@ class KVLayout:
         return self.bytes_per_token * self.block_size
 
 
-def plan_kv_layout(model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> KVLayout:
+def plan_kv_layout(
+    model_config: ModelConfig,
+    config: EngineConfig,
+    dtype: torch.dtype,
+    extra_bytes_per_block: int = 0,
+) -> KVLayout:
+    """The target's KV pool; `extra_bytes_per_block`: what a block costs besides (a speculative
+    proposer's own cache, addressed by the same block ids) within `kv_cache_memory_bytes`."""
     probe = KVLayout(
         model_config.num_hidden_layers, 1, config.block_size, model_config.kv_cache_dim, dtype
     )
-    num_blocks = config.num_blocks or config.kv_cache_memory_bytes // probe.bytes_per_block
+    num_blocks = config.num_blocks or config.kv_cache_memory_bytes // (
+        probe.bytes_per_block + extra_bytes_per_block
+    )
     if num_blocks < 1:
         raise ValueError(
             f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no block "
             f"({probe.bytes_per_block} bytes each)"
         )
     return KVLayout(probe.num_layers, num_blocks, config.block_size, probe.entry_dim, dtype)
+
+
+def load_model(
+    model_dir: Path,
+    model_config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    model_kwargs: dict[str, Any] | None = None,
+    load_mtp: bool = True,
+) -> DeepseekV3ForCausalLM:
+    """A checkpoint's model on `device` in `dtype` (routing in fp32), ready to run."""
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(model_config, load_mtp=load_mtp, **(model_kwargs or {}))
+    model = model.to_empty(device=device).to(dtype)
+    for layer in model.moe_layers:  # routing stays in fp32, as the reference keeps it
+        layer.gate.float()
+        layer.set_placement(layer.placement)
+    model.rope.materialize(model_config)  # computed buffers, not checkpoint tensors
+    model.load_weights(iter_tensors(model_dir))
+    if device.type == "cpu":
+        model.use_cpu_layouts()
+    model.eval()
+    return model
 
 
 class ModelRunner:
@@ -109,7 +149,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
         self.load_seconds = 0.0
         self.model = model if model is not None else self._load_model(Path(model_dir))
-        self.kv_layout = plan_kv_layout(model_config, config, self.dtype)
+        self.proposer = self._make_proposer(Path(model_dir)) if config.num_spec_tokens else None
+        extra = self.proposer.kv_bytes_per_block(config.block_size) if self.proposer else 0
+        self.kv_layout = plan_kv_layout(model_config, config, self.dtype, extra)
         self.kv_caches = allocate_kv_memory(
             self.kv_layout.num_layers,
             self.kv_layout.num_blocks,
@@ -121,6 +163,10 @@ class ModelRunner:
         self.sampler = Sampler(seed=config.seed)
         # seeded requests being served, by request id
         self.generators: dict[str, torch.Generator] = {}
+        self.spec: SpecDecoder | None = None
+        if self.proposer is not None:
+            self.proposer.allocate_kv(self.kv_layout.num_blocks, config.block_size)
+            self.spec = SpecDecoder(self, self.proposer, config.num_spec_tokens)
         moe = self.model.moe_layers
         self.expert_load = (
             ExpertLoadRecorder(
@@ -143,19 +189,21 @@ class ModelRunner:
 
     def _load_model(self, model_dir: Path) -> DeepseekV3ForCausalLM:
         start = time.perf_counter()
-        with torch.device("meta"):
-            model = DeepseekV3ForCausalLM(self.model_config, **self.model_kwargs)
-        model = model.to_empty(device=self.device).to(self.dtype)
-        for layer in model.moe_layers:  # routing stays in fp32, as the reference keeps it
-            layer.gate.float()
-            layer.set_placement(layer.placement)
-        model.rope.materialize(self.model_config)  # computed buffers, not checkpoint tensors
-        model.load_weights(iter_tensors(model_dir))
-        if self.device.type == "cpu":
-            model.use_cpu_layouts()
-        model.eval()
+        model = load_model(model_dir, self.model_config, self.device, self.dtype, self.model_kwargs)
         self.load_seconds = time.perf_counter() - start
         return model
+
+    def _make_proposer(self, model_dir: Path) -> Proposer:
+        """The speculative proposer of the config's method; ValueError if the checkpoints do not
+        fit it (mtp: no MTP layer; draft_model: another vocabulary or tokenizer)."""
+        k = self.config.num_spec_tokens
+        if self.config.speculative_method == "mtp":
+            return MTPProposer(self.model, k, self.dtype, self.device)
+        draft_dir = Path(self.config.draft_model or "")
+        draft_config = ModelConfig.from_dir(draft_dir)
+        check_draft(model_dir, self.model_config, draft_dir, draft_config)
+        draft = load_model(draft_dir, draft_config, self.device, self.dtype, load_mtp=False)
+        return DraftModelProposer(draft, k, self.dtype, self.device)
 
     @torch.inference_mode()
     def execute(
@@ -190,10 +238,28 @@ class ModelRunner:
         )
         return self._to_tokens(sampling, result)
 
+    @torch.inference_mode()
+    def execute_spec(
+        self, output: SchedulerOutput, requests: dict[str, Request]
+    ) -> dict[str, SpecTokens]:
+        """`execute` with speculative decoding: every request whose chunk samples gets the tokens
+        its step emits and its next drafts (`SpecDecoder.execute`)."""
+        if self.spec is None:
+            raise RuntimeError("execute_spec needs an engine with a speculative_method")
+        self.end_requests(output.finished_ids)
+        if output.is_empty:
+            return {}
+        return self.spec.execute(output, requests)
+
     def end_requests(self, request_ids: list[str]) -> None:
         """Drop the per-request state of requests that finished or were aborted."""
         for request_id in request_ids:
             self.generators.pop(request_id, None)
+        if self.spec is not None:
+            self.spec.end_requests(request_ids)
+
+    def generator_for(self, request: Request) -> torch.Generator | None:
+        return self._generator(request)
 
     def _generator(self, request: Request) -> torch.Generator | None:
         """The seeded request's generator (made on its first sample), None for an unseeded one."""

@@ -54,6 +54,9 @@ class Request:
     hold_blocks: bool = False  # keep the KV blocks after finishing until released (prefill push)
     # its KV arrived from elsewhere and it waits for its first admission (the per-step load cap)
     kv_loaded: bool = False
+    # speculative decoding: drafts for the tokens after the last one, verified in the next step
+    # (proposed by the model runner at the end of this request's last step; dropped on preemption)
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         check_prompt(self.prompt_token_ids)
@@ -94,10 +97,11 @@ class Request:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def banned_token_ids(self) -> list[int]:
-        """Tokens that must not be sampled yet (EOS and stop ids before min_tokens)."""
+    def banned_token_ids(self, num_ahead: int = 0) -> list[int]:
+        """Tokens that must not be sampled yet (EOS and stop ids before min_tokens); `num_ahead`:
+        for the output token that many places after the next one (speculative decoding)."""
         params = self.sampling_params
-        if self.num_output_tokens >= params.min_tokens:
+        if self.num_output_tokens + num_ahead >= params.min_tokens:
             return []
         eos = [] if params.ignore_eos else list(self.eos_token_ids)
         return eos + list(params.stop_token_ids)

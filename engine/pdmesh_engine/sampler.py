@@ -82,7 +82,7 @@ class Sampler:
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled_rows:
             self._sample_rows(x, token_ids, sampled_rows, params, generators)
-        return _with_logprobs(raw, token_ids, params)
+        return with_logprobs(raw, token_ids, params)
 
     def _sample_rows(
         self,
@@ -99,6 +99,15 @@ class Sampler:
         probs = torch.softmax(sub, dim=-1)  # [S, V]
         noise = self._exponential_noise(probs, [generators[i] for i in rows])  # [S, V]
         token_ids[idx] = (probs / noise).argmax(dim=-1)
+
+    def sample_probs(
+        self,
+        probs: torch.Tensor,  # [S, V] fp32, rows sum to 1 (`filtered_probs`)
+        generators: Sequence[torch.Generator | None],  # [S]
+    ) -> torch.Tensor:
+        """[S] int64: one token per row, drawn like a sampled row of `__call__` (the exponential
+        race, one [V] Exp(1) draw per row from its generator)."""
+        return (probs / self._exponential_noise(probs, generators)).argmax(dim=-1)
 
     def _exponential_noise(
         self, probs: torch.Tensor, generators: Sequence[torch.Generator | None]
@@ -141,6 +150,30 @@ def _check_inputs(
         raise ValueError(
             f"banned_token_ids needs one entry per row: B={B}, got {len(banned_token_ids)}"
         )
+
+
+def banned_argmax(
+    logits: torch.Tensor, banned_token_ids: Sequence[Sequence[int]] | None = None
+) -> torch.Tensor:
+    """[B] int64: each row's greedy token (argmax of logits [B, V] after its bans; ties -> lowest
+    id), as `Sampler.__call__` picks for greedy rows."""
+    x = logits.float()
+    if banned_token_ids is not None and any(len(row) for row in banned_token_ids):
+        x = _apply_bans(x, banned_token_ids)
+    return x.argmax(dim=-1)
+
+
+def filtered_probs(
+    logits: torch.Tensor,  # [B, V]
+    params: Sequence[SamplingParams],  # [B], non-greedy
+    banned_token_ids: Sequence[Sequence[int]] | None = None,
+) -> torch.Tensor:
+    """[B, V] fp32: the distribution a sampled row of `Sampler.__call__` draws from (bans, then
+    temperature, min-p, top-k, top-p, renormalised). Speculative decoding verifies with it."""
+    x = logits.float()
+    if banned_token_ids is not None and any(len(row) for row in banned_token_ids):
+        x = _apply_bans(x, banned_token_ids)
+    return torch.softmax(_filter_logits(x, params), dim=-1)
 
 
 def _apply_bans(x: torch.Tensor, banned_token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -195,7 +228,7 @@ def _top_k_top_p(x: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Ten
     return torch.full_like(x, float("-inf")).scatter_(1, order, sorted_x)
 
 
-def _with_logprobs(
+def with_logprobs(
     raw: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingParams]
 ) -> SamplerOutput:
     """Attach raw logprobs (log_softmax of raw [B, V]) if any row asked for them."""

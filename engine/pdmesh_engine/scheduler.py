@@ -7,12 +7,21 @@ When blocks run out, the latest running request is preempted and recomputed late
 With `max_kv_loads_per_step` N, at most N requests whose KV just arrived (`kv_arrived`) join the
 running batch per step; the queue stays in arrival order, so a capped request blocks those behind it
 until the next step.
+
+Speculative decoding (`num_spec_tokens` K > 0): a decoding request is scheduled with its last token
+plus the drafts the runner proposed in its previous step (`Request.spec_token_ids`, at most K, fewer
+when the budget, max_tokens or the context leave less room), and a request whose chunk samples also
+holds blocks for `num_lookahead_tokens` positions past it, where the proposer writes its own KV.
+The runner answers such requests with `SpecTokens`; `num_computed_tokens` then advances over the
+accepted drafts only (the tokens after the first rejection are recomputed, their KV overwritten),
+so only verified blocks get prefix-cache hashes.
 No sockets, no devices: the model runner turns a `SchedulerOutput` into a forward pass.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pdmesh_engine.kv_cache import KVCacheManager
@@ -28,15 +37,20 @@ class SchedulerConfig:
     # at most this many kv-loaded requests (see `Request.kv_loaded`) are admitted per step;
     # None or 0: no cap
     max_kv_loads_per_step: int | None = None
+    num_spec_tokens: int = 0  # K drafts per decode step (0: speculative decoding off)
+    num_lookahead_tokens: int = 0  # positions past a sampling chunk the proposer writes
 
 
 @dataclass(slots=True)
 class ScheduledRequest:
     request_id: str
-    token_ids: list[int]  # tokens computed this step
+    token_ids: list[int]  # tokens computed this step (drafts last)
     start_position: int  # position of token_ids[0] (= num_computed_tokens before the step)
     block_ids: list[int]  # every block the request holds
     needs_sample: bool  # the chunk reaches the last known token: sample the next one
+    num_draft_tokens: int = 0  # the last this many of token_ids are drafts to verify
+    # blocks cover this many positions past the last of token_ids (for the proposer's KV)
+    num_lookahead_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -59,6 +73,16 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SpecTokens:
+    """A speculating request's step: what it emits and the drafts for its next step."""
+
+    tokens: tuple[SampledToken, ...]  # the accepted drafts, then the target's own token
+    num_draft_tokens: int  # drafts verified this step
+    num_accepted: int  # drafts accepted (= len(tokens) - 1)
+    next_draft_ids: tuple[int, ...]  # proposed for the step after this one
 
 
 @dataclass(slots=True)
@@ -146,18 +170,21 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            blocks = self.kv.allocate(request.request_id, request.num_computed_tokens + num_new)
+            drafts = self._drafts(request, num_new, budget)
+            end = request.num_computed_tokens + num_new + len(drafts)
+            lookahead = self._lookahead(request, end - len(drafts), end)
+            blocks = self.kv.allocate(request.request_id, end + lookahead)
             while blocks is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
                     break
-                blocks = self.kv.allocate(request.request_id, request.num_computed_tokens + num_new)
+                blocks = self.kv.allocate(request.request_id, end + lookahead)
             if blocks is None:
                 break
-            scheduled.append(self._scheduled(request, num_new, blocks))
-            budget -= num_new
+            scheduled.append(self._scheduled(request, num_new, blocks, drafts, lookahead))
+            budget -= num_new + len(drafts)
             index += 1
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
@@ -183,7 +210,8 @@ class Scheduler:
                 prefix = self.kv.find_cached_prefix(request.request_id, request.all_token_ids)
                 computed = len(prefix) * self.kv.block_size
             num_new = min(request.num_tokens - computed, budget)
-            blocks = self.kv.allocate(request.request_id, computed + num_new, prefix)
+            lookahead = self._lookahead(request, computed + num_new, computed + num_new)
+            blocks = self.kv.allocate(request.request_id, computed + num_new + lookahead, prefix)
             if blocks is None:
                 break
             self.waiting.popleft()
@@ -194,29 +222,60 @@ class Scheduler:
             request.kv_loaded = False
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append(self._scheduled(request, num_new, blocks))
+            scheduled.append(self._scheduled(request, num_new, blocks, [], lookahead))
             budget -= num_new
         return budget
 
-    def _scheduled(self, request: Request, num_new: int, blocks: list[int]) -> ScheduledRequest:
+    def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The drafts to verify with a decode of `num_new` tokens: none unless it is a one-token
+        decode; at most what the budget, max_tokens and the context leave room for (a step emits
+        up to len(drafts) + 1 tokens, at positions below max_model_len)."""
+        if not request.spec_token_ids or num_new != 1 or request.num_computed_tokens == 0:
+            return []
+        room = min(
+            budget - 1,
+            request.sampling_params.max_tokens - request.num_output_tokens - 1,
+            self.config.max_model_len - request.num_tokens - 1,
+        )
+        return request.spec_token_ids[: max(room, 0)]
+
+    def _lookahead(self, request: Request, known_end: int, end: int) -> int:
+        """Positions past `end` (this step's last scheduled position + 1) the proposer may write:
+        `num_lookahead_tokens` when the chunk samples (it reaches `known_end` = num_tokens),
+        capped by the context; 0 with speculation off or for a chunk that does not sample."""
+        if not self.config.num_spec_tokens or known_end != request.num_tokens:
+            return 0
+        return max(0, min(self.config.num_lookahead_tokens, self.config.max_model_len - end))
+
+    def _scheduled(
+        self,
+        request: Request,
+        num_new: int,
+        blocks: list[int],
+        drafts: list[int],
+        lookahead: int,
+    ) -> ScheduledRequest:
         start = request.num_computed_tokens
         return ScheduledRequest(
             request.request_id,
-            request.all_token_ids[start : start + num_new],
+            request.all_token_ids[start : start + num_new] + drafts,
             start,
             blocks,
             start + num_new == request.num_tokens,
+            len(drafts),
+            lookahead,
         )
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
+        request.spec_token_ids = []  # the runner proposes again when the recomputation samples
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled: dict[str, SampledToken]
+        self, output: SchedulerOutput, sampled: Mapping[str, SampledToken | SpecTokens]
     ) -> list[StepOutput]:
         """Advance computed counts, append sampled tokens, finish requests that stop."""
         results: list[StepOutput] = []
@@ -224,30 +283,59 @@ class Scheduler:
             request = self.requests.get(item.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            token = sampled.get(item.request_id)
+            if isinstance(token, SpecTokens):
+                results.append(self._apply_spec(request, item, token))
+                continue
             request.num_computed_tokens += len(item.token_ids)
             self.kv.cache_blocks(
                 request.request_id, request.all_token_ids, request.num_computed_tokens
             )
-            token = sampled.get(item.request_id)
             if token is None:
                 continue
-            request.append_output(token.token_id)
-            if token.logprob is not None:
-                request.output_logprobs.append(token.logprob)
-                request.output_top_logprobs.append(list(token.top_logprobs))
-            status = request.check_stop(self.config.max_model_len)
+            status = self._append(request, token)
             if status is not None:
                 self.finish(request.request_id, status)
-            results.append(self._step_output(request, token))
+            results.append(self._step_output(request, [token]))
         return results
 
-    def _step_output(self, request: Request, token: SampledToken) -> StepOutput:
+    def _append(self, request: Request, token: SampledToken) -> RequestStatus | None:
+        """Append one output token (and its logprobs); the status it ends the request with."""
+        request.append_output(token.token_id)
+        if token.logprob is not None:
+            request.output_logprobs.append(token.logprob)
+            request.output_top_logprobs.append(list(token.top_logprobs))
+        return request.check_stop(self.config.max_model_len)
+
+    def _apply_spec(self, request: Request, item: ScheduledRequest, spec: SpecTokens) -> StepOutput:
+        """A verify step's outcome: the KV of the scheduled tokens up to the last accepted draft
+        is valid (the emitted target token is the next input); tokens are appended one by one and
+        the first that stops the request drops the rest, as a step at a time would."""
+        request.num_computed_tokens += len(item.token_ids) - item.num_draft_tokens
+        request.num_computed_tokens += spec.num_accepted
+        emitted: list[SampledToken] = []
+        status = None
+        for token in spec.tokens:
+            emitted.append(token)
+            status = self._append(request, token)
+            if status is not None:
+                break
+        request.spec_token_ids = list(spec.next_draft_ids) if status is None else []
+        # a stop inside the step leaves fewer tokens than the computed positions
+        computed = min(request.num_computed_tokens, request.num_tokens)
+        self.kv.cache_blocks(request.request_id, request.all_token_ids, computed)
+        if status is not None:
+            self.finish(request.request_id, status)
+        return self._step_output(request, emitted)
+
+    def _step_output(self, request: Request, tokens: list[SampledToken]) -> StepOutput:
         status = request.status
+        with_logprobs = tokens[0].logprob is not None
         return StepOutput(
             request.request_id,
-            [token.token_id],
-            [token.logprob] if token.logprob is not None else [],
-            [list(token.top_logprobs)] if token.logprob is not None else [],
+            [t.token_id for t in tokens],
+            [t.logprob for t in tokens if t.logprob is not None] if with_logprobs else [],
+            [list(t.top_logprobs) for t in tokens] if with_logprobs else [],
             status.value if status.is_finished else None,
             request.stop_reason,
             request.num_prompt_tokens,

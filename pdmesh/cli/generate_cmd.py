@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
 from pdmesh.cli.options import resolve_model
-from pdmesh_service.worker.engine_options import add_engine_options, engine_config
+from pdmesh_service.worker.engine_options import (
+    add_engine_options,
+    add_speculative_options,
+    engine_config,
+    speculative_fields,
+)
 
 _SAMPLING_FLAGS = (
     "max_tokens",
@@ -50,6 +56,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--json", action="store_true", help="print one JSON object per prompt, in input order"
     )
     add_engine_options(p)
+    add_speculative_options(p)
     p.set_defaults(run=run)
 
 
@@ -92,7 +99,11 @@ def run(args: argparse.Namespace) -> int:
             params.append(SamplingParams.from_dict(merged))
         except ValueError as e:
             raise ValueError(f"prompt {number}: {e}") from e
-    llm = LLM(resolve_model(args.model), engine_config(args))
+    spec = speculative_fields(
+        args.speculative_method, args.num_speculative_tokens, args.draft_model
+    )
+    config = dataclasses.replace(engine_config(args), **spec)
+    llm = LLM(resolve_model(args.model), config)
     outputs = llm.generate(items, params)
     for out in outputs:
         if args.json:

@@ -1,4 +1,4 @@
-"""The `pdmesh` command's model default: the cached default checkpoint, generated on first use."""
+"""The `pdmesh` command's model default: the embedded trained checkpoint (`coder`)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from pathlib import Path
 
 
 def resolve_model(model: Path | None) -> Path:
-    """The given directory, or the cached default model (generated once)."""
+    """The given directory, or the embedded default model."""
     if model is not None:
         return model
-    from pdmesh.tools.model_init import default_model_dir
+    from pdmesh_engine.checkpoint import embedded_model_dir
 
-    return default_model_dir()
+    return embedded_model_dir()

@@ -161,6 +161,11 @@ class Progress:
         print(("\n" if self.tty else "") + f"pdmesh: {text}", file=sys.stderr, flush=True)
 
 
+def _without_threads(config: dict[str, Any]) -> dict[str, Any]:
+    """The settings a resumed run must share (the thread count may change)."""
+    return {k: v for k, v in config.items() if k != "threads"}
+
+
 def _save_state(path: Path, state: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
@@ -216,7 +221,7 @@ def train(
     step, elapsed = 0, 0.0
     if resume:
         saved = torch.load(state_path, weights_only=False)
-        if saved["config"] != asdict(config):
+        if _without_threads(saved["config"]) != _without_threads(asdict(config)):
             raise ValueError(f"{state_path} was saved with other settings: {saved['config']}")
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])

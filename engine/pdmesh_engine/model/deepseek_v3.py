@@ -3,8 +3,8 @@
 `forward(batch, kv_caches, expert_load) -> hidden [T, D]`, `compute_logits(hidden[rows]) -> [S,
 vocab]`. Weights load from checkpoint names (`load_weights`); per-expert tensors go into the
 physical slots of the layer's placement. The checkpoint's multi-token-prediction layers are loaded
-as `mtp` (their weights are held and placed like the decoder's) but never run: `forward` is the
-plain next-token model.
+as `mtp` (their weights are held and placed like the decoder's); `forward` is the plain next-token
+model, and `forward_mtp` / `compute_mtp_logits` run the first MTP layer for speculative decoding.
 
 Legend: T tokens, D hidden size, S sampled rows.
 """
@@ -82,8 +82,8 @@ class MTPLayer(nn.Module):
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
-        # its MoE follows the decoder's MoE layers (index len(moe_layer_ids)); MTP never runs, so
-        # records nothing
+        # its MoE follows the decoder's MoE layers (index len(moe_layer_ids)); it records no expert
+        # load (speculative decoding runs it without a recorder)
         self.block = DecoderLayer(
             config,
             config.num_hidden_layers,
@@ -193,6 +193,31 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def forward_mtp(
+        self,
+        next_ids: torch.Tensor,
+        prev_hidden: torch.Tensor,
+        batch: ForwardBatch,
+        mtp_kv_caches: torch.Tensor,
+    ) -> torch.Tensor:
+        """The first MTP layer at the batch's positions: next_ids [T] (token t + 1 for the row at
+        position t), prev_hidden [T, D] (the target's `forward` output at t, final norm applied, or
+        this method's own output when drafting recursively), mtp_kv_caches [1, num_blocks,
+        block_size, L + R] (its attention's own cache, addressed like the target's) -> the MTP
+        block's output x [T, D] (before shared_head_norm). Input at t: eh_proj(cat(enorm(embed(
+        token t + 1)), hnorm(h_t))); rope at position t."""
+        meta = self.attention_metadata(batch, mtp_kv_caches)
+        mtp = self.mtp[0]
+        return mtp(
+            self.embed_tokens(next_ids), prev_hidden, batch, mtp_kv_caches[0], self.rope, meta
+        )
+
+    def compute_mtp_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [S, D] (`forward_mtp` rows) -> [S, vocab] fp32: the MTP layer's own head (predicts the
+        token two places after the row's position)."""
+        mtp = self.mtp[0]
+        return mtp.shared_head(mtp.shared_head_norm(x)).float()
 
     # ----- weights -----
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

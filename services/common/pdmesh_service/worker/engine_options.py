@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pdmesh_engine.config import DTYPE_NAMES, EngineConfig
+from pdmesh_engine.config import DTYPE_NAMES, SPECULATIVE_METHODS, EngineConfig
 
 _DEFAULTS = EngineConfig()
 _MIB = 1 << 20
@@ -85,6 +85,54 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
         "per step; the rest wait in order for later steps (default: no cap; 0 also means no cap; "
         "upstream found 4 a good value)",
     )
+
+
+def add_speculative_options(p: argparse.ArgumentParser, k_list: bool = False) -> None:
+    """--speculative-method, --num-speculative-tokens (`k_list`: a comma-separated list, for
+    benchmarks), --draft-model."""
+    spec = p.add_argument_group("speculative decoding")
+    spec.add_argument(
+        "--speculative-method",
+        choices=list(SPECULATIVE_METHODS),
+        default=None,
+        help="draft tokens with the checkpoint's MTP layer or a separate draft model and verify "
+        "them in one forward" + (" (default: mtp)" if k_list else " (default: off)"),
+    )
+    spec.add_argument(
+        "--num-speculative-tokens",
+        default=None,
+        type=str if k_list else int,
+        metavar="K,K,..." if k_list else "K",
+        help="drafts per step, comma-separated, 0 = off (default 0,1,2,3)"
+        if k_list
+        else "drafts per step, 1..8 (default with a method: 1)",
+    )
+    spec.add_argument(
+        "--draft-model",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the draft checkpoint of --speculative-method draft_model (the same tokenizer; "
+        "default: the embedded coder-draft)",
+    )
+
+
+def speculative_fields(
+    method: str | None, k: int | None, draft_model: Path | None
+) -> dict[str, object]:
+    """EngineConfig's speculative-decoding fields (validated there): a method alone means K = 1,
+    draft_model without a directory means the embedded draft model."""
+    if k is None:
+        k = 1 if method else 0
+    if method == "draft_model" and draft_model is None:
+        from pdmesh_engine.checkpoint import embedded_model_dir
+
+        draft_model = embedded_model_dir("coder-draft")
+    return {
+        "speculative_method": method if k else None,
+        "num_speculative_tokens": k,
+        "draft_model": str(draft_model) if draft_model is not None and k else None,
+    }
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

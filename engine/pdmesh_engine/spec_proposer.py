@@ -1,0 +1,219 @@
+"""Draft proposers of speculative decoding: the checkpoint's MTP layer, or a separate draft model.
+
+Both run once per step after the target's forward (`SpecDecoder.execute`), over the same
+`ForwardBatch` (same positions, same block tables), so their KV covers every position the target
+computed, then draft autoregressively with single-token batches. Their KV lives in a cache tensor
+of their own, `[layers, num_blocks, block_size, entry]`, addressed by the target's block ids: one
+allocation serves both caches, so freeing, preemption and prefix caching stay one mechanism (a
+block's draft entries are written in the same steps as its target entries, and only verified
+positions are ever hashed). Drafting writes past the scheduled tokens, into the positions the
+scheduler reserved as lookahead (`num_lookahead_tokens`); those are rewritten before they are read
+as verified context.
+
+Positions: the proposal for a request starts from `position` q (the position of the token the step
+emitted, `next_token`); row `last_row` of the target's forward is position q - 1.
+- MTP (DeepSeek-V3's convention, as vLLM runs it): the MTP layer at position t reads h_t (the
+  target's final hidden state) and token t + 1 and predicts token t + 2. The first pass runs at
+  every scheduled position with the next tokens (`next_ids`), writing the MTP cache, and its row
+  q - 1 proposes draft 1 (for position q + 1); draft j + 1 comes from the layer again at position
+  q + j - 1, fed draft j and the layer's own previous output as h. Writes up to q + K - 2.
+- Draft model: the first pass runs the scheduled tokens (it only writes KV); then it is fed the
+  emitted token at q, and each draft in turn: draft j + 1 from the pass at q + j. Writes up to
+  q + K - 1.
+
+Legend: T tokens of the step, B proposing requests, V vocabulary, D hidden size.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdmesh_engine.config import ModelConfig
+from pdmesh_engine.forward_batch import ForwardBatch
+from pdmesh_engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+
+# (logits [B', V] of the proposing requests `seq_indices`, draft index j) -> one token id each
+ChooseFn = Callable[[torch.Tensor, list[int], int], list[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class ProposeSeq:
+    """One request whose step sampled: where its drafting starts."""
+
+    last_row: int  # the target forward's row at position - 1 (the last verified input)
+    next_token: int  # the token the step emitted (at `position`)
+    position: int
+    block_ids: list[int]
+    max_position: int  # the last position its blocks cover: nothing is written past it
+
+
+def check_draft(target_dir: Path, target: ModelConfig, draft_dir: Path, draft: ModelConfig) -> None:
+    """ValueError unless the draft checkpoint shares the target's vocabulary and tokenizer size."""
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"draft model {draft_dir} has vocab_size {draft.vocab_size}, the target "
+            f"{target.vocab_size}: a draft must share the target's tokenizer"
+        )
+    if (target_dir / "tokenizer.json").is_file() and (draft_dir / "tokenizer.json").is_file():
+        from pdmesh_engine.tokenizer import Tokenizer
+
+        sizes = (
+            Tokenizer.from_dir(target_dir).vocab_size,
+            Tokenizer.from_dir(draft_dir).vocab_size,
+        )
+        if sizes[0] != sizes[1]:
+            raise ValueError(
+                f"draft model {draft_dir} has a tokenizer of {sizes[1]} tokens, the target "
+                f"{sizes[0]}: a draft must share the target's tokenizer"
+            )
+
+
+class Proposer(ABC):
+    """Proposes up to K drafts per sampling request, with its own paged KV cache."""
+
+    num_lookahead_tokens: int  # positions past a step's tokens it writes when drafting
+
+    def __init__(self, k: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.k, self.dtype, self.device = k, dtype, device
+        self.kv_caches = torch.empty(0, dtype=dtype, device=device)
+
+    @property
+    @abstractmethod
+    def kv_shape(self) -> tuple[int, int]:
+        """(layers, entry width) of its cache."""
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        layers, width = self.kv_shape
+        return layers * block_size * width * torch.tensor([], dtype=self.dtype).element_size()
+
+    def allocate_kv(self, num_blocks: int, block_size: int) -> None:
+        """Its cache [layers, num_blocks, block_size, entry], zeroed (same block ids as the
+        target's)."""
+        layers, width = self.kv_shape
+        self.kv_caches = torch.zeros(
+            (layers, num_blocks, block_size, width), dtype=self.dtype, device=self.device
+        )
+
+    @abstractmethod
+    def propose(
+        self,
+        batch: ForwardBatch,
+        hidden: torch.Tensor,  # [T, D] the target's forward output
+        next_ids: torch.Tensor,  # [T] token t + 1 for each row at position t
+        seqs: list[ProposeSeq],
+        choose: ChooseFn,
+    ) -> list[list[int]]:
+        """Write its KV for the batch's positions and return each seq's drafts (at most K, fewer
+        where `max_position` leaves no room)."""
+
+    def _single_tokens(
+        self, token_ids: list[int], positions: list[int], seqs: list[ProposeSeq]
+    ) -> ForwardBatch:
+        return ForwardBatch.build(
+            [[t] for t in token_ids],
+            positions,
+            [s.block_ids for s in seqs],
+            self.kv_caches.shape[2],
+            [False] * len(seqs),
+            self.device,
+        )
+
+
+class MTPProposer(Proposer):
+    """The target checkpoint's first MTP layer drafts (module docstring)."""
+
+    def __init__(
+        self, model: DeepseekV3ForCausalLM, k: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        if not len(model.mtp):
+            raise ValueError(
+                "speculative_method 'mtp' needs a checkpoint with an MTP layer "
+                "(num_nextn_predict_layers > 0 and its weights); this one has none"
+            )
+        super().__init__(k, dtype, device)
+        self.model = model
+        self.num_lookahead_tokens = k - 1
+
+    @property
+    def kv_shape(self) -> tuple[int, int]:
+        return 1, self.model.config.kv_cache_dim
+
+    def propose(
+        self,
+        batch: ForwardBatch,
+        hidden: torch.Tensor,
+        next_ids: torch.Tensor,
+        seqs: list[ProposeSeq],
+        choose: ChooseFn,
+    ) -> list[list[int]]:
+        x = self.model.forward_mtp(next_ids, hidden, batch, self.kv_caches)  # [T, D]
+        if not seqs:
+            return []
+        rows = torch.tensor([s.last_row for s in seqs], device=x.device)
+        x = x.index_select(0, rows)  # [B, D], row b: seqs[b]
+        active = list(range(len(seqs)))
+        drafts = [[t] for t in choose(self.model.compute_mtp_logits(x), active, 0)]
+        limits = [min(self.k, s.max_position - s.position + 2) for s in seqs]
+        for j in range(1, self.k):
+            keep = [i for i, b in enumerate(active) if limits[b] > j]
+            if not keep:
+                break
+            if len(keep) < len(active):
+                x = x.index_select(0, torch.tensor(keep, device=x.device))
+                active = [active[i] for i in keep]
+            sub = [seqs[b] for b in active]
+            step = self._single_tokens(
+                [drafts[b][-1] for b in active], [s.position + j - 1 for s in sub], sub
+            )
+            x = self.model.forward_mtp(step.input_ids, x, step, self.kv_caches)
+            for b, token in zip(
+                active, choose(self.model.compute_mtp_logits(x), active, j), strict=True
+            ):
+                drafts[b].append(token)
+        return drafts
+
+
+class DraftModelProposer(Proposer):
+    """A separate, smaller checkpoint with the target's tokenizer drafts (module docstring)."""
+
+    def __init__(
+        self, model: DeepseekV3ForCausalLM, k: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__(k, dtype, device)
+        self.model = model
+        self.num_lookahead_tokens = k
+
+    @property
+    def kv_shape(self) -> tuple[int, int]:
+        return self.model.config.num_hidden_layers, self.model.config.kv_cache_dim
+
+    def propose(
+        self,
+        batch: ForwardBatch,
+        hidden: torch.Tensor,
+        next_ids: torch.Tensor,
+        seqs: list[ProposeSeq],
+        choose: ChooseFn,
+    ) -> list[list[int]]:
+        self.model(batch, self.kv_caches)  # its KV at the step's positions; the output is unused
+        drafts: list[list[int]] = [[] for _ in seqs]
+        limits = [min(self.k, s.max_position - s.position + 1) for s in seqs]
+        feed = [s.next_token for s in seqs]
+        for j in range(self.k):
+            active = [b for b in range(len(seqs)) if limits[b] > j]
+            if not active:
+                break
+            sub = [seqs[b] for b in active]
+            step = self._single_tokens(
+                [feed[b] for b in active], [s.position + j for s in sub], sub
+            )
+            logits = self.model.compute_logits(self.model(step, self.kv_caches))
+            for b, token in zip(active, choose(logits, active, j), strict=True):
+                drafts[b].append(token)
+                feed[b] = token
+        return drafts
