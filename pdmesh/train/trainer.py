@@ -231,6 +231,7 @@ def train(
         initial = evaluate(model, held_out, config, 0)
         history["eval"].append(asdict(initial))
         say(f"step 0: held-out loss {initial.loss:.3f} (perplexity {initial.perplexity:,.0f})")
+    history.setdefault("runs", []).append({"start_step": step, "threads": torch.get_num_threads()})
     say(
         f"training {config.preset}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
         f"parameters, {config.steps} steps of {config.tokens_per_step} tokens, "
@@ -319,7 +320,7 @@ def _summary(
         "config": asdict(config),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
+        "runs": history["runs"],  # where each (re)start began, and its thread count
         "parameters": sum(p.numel() for p in model.parameters()),
         "steps": len(history["train"]),
         "tokens_seen": len(history["train"]) * config.tokens_per_step,
@@ -386,13 +387,20 @@ def write_card(summary: dict[str, Any], path: Path) -> None:
         f"--seed {c['seed']}"
     )
     skew = ", ".join(f"{x:.2f}" for x in summary["expert_load_skew"]) or "(no MoE layer)"
+    runs = summary["runs"]
+    threads = (
+        f"{runs[0]['threads']} CPU thread(s)"
+        if len({r["threads"] for r in runs}) == 1
+        else ", then ".join(f"{r['threads']} thread(s) from step {r['start_step']}" for r in runs)
+    )
+    mtp = summary["held_out_mtp_loss"] > 0
     bits = summary["held_out_loss"] / math.log(2)
     lines = [
         f"# pdmesh `{c['preset']}` (trained)",
         "",
         "A DeepSeek-V3-architecture model (MLA, shared + routed experts with sigmoid routing and",
         "auxiliary-loss-free balancing"
-        + (", one MTP module" if summary["held_out_mtp_loss"] else "")
+        + (", one MTP module" if mtp else "")
         + ") trained by `pdmesh model train` on the Python standard library's own sources.",
         "",
         "| | |",
@@ -403,19 +411,24 @@ def write_card(summary: dict[str, Any], path: Path) -> None:
         "out by a hash of its path |",
         f"| tokens | {summary['train_stream_tokens']:,} train, {summary['held_out_tokens']:,} "
         "held out (byte-level BPE trained on the train files) |",
-        f"| parameters | {summary['parameters'] / 1e6:.2f}M (MTP included; embedding and head "
-        "shared with it, stored twice in the checkpoint) |",
+        f"| parameters | {summary['parameters'] / 1e6:.2f}M"
+        + (
+            " (MTP included; embedding and head shared with it, stored twice in the checkpoint)"
+            if mtp
+            else ""
+        )
+        + " |",
         f"| steps | {summary['steps']:,} of {c['batch_size']} x {c['seq_len']} tokens "
         f"({summary['tokens_seen']:,} tokens seen) |",
-        f"| wall time | {summary['wall_time_s'] / 60:.1f} min on {summary['threads']} CPU "
-        f"threads (torch {summary['torch']}) |",
+        f"| wall time | {summary['wall_time_s'] / 60:.1f} min of training steps on {threads} "
+        f"(torch {summary['torch']}) |",
         f"| final train loss | {summary['final_train_loss']:.3f} (mean of the last 50 steps) |",
         f"| held-out loss | {summary['held_out_loss']:.3f} nats/token, perplexity "
         f"{summary['held_out_perplexity']:.1f} ({bits:.2f} bits/token) |",
         f"| at initialisation | held-out loss {summary['random_init_held_out_loss']:.3f}, "
         f"perplexity {summary['random_init_held_out_perplexity']:,.0f} |",
     ]
-    if summary["held_out_mtp_loss"]:
+    if mtp:
         lines.append(
             f"| held-out MTP loss | {summary['held_out_mtp_loss']:.3f} (token t+2), perplexity "
             f"{math.exp(summary['held_out_mtp_loss']):.1f} |"

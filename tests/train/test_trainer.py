@@ -178,6 +178,43 @@ def test_a_short_run_learns_and_resumes_exactly(tmp_path: Path) -> None:
     split_run = load_file(str(tmp_path / "split" / "model.safetensors"))
     assert all(torch.equal(whole[k], split_run[k]) for k in whole)
     assert math.isclose(resumed["held_out_loss"], summary["held_out_loss"])
+    assert [r["start_step"] for r in resumed["runs"]] == [0, 4]
 
     with pytest.raises(FileExistsError):
         _run(tmp_path / "whole")
+
+
+def test_engine_mtp_layer_computes_what_the_trainer_trained(
+    tiny_export: tuple[DeepseekV3ForTraining, Path],
+) -> None:
+    """The engine's MTP path (forward_mtp + compute_mtp_logits, used by speculative decoding)
+    gives the trainer's MTP logits: h_t after the final norm, token t + 1, rope at t."""
+    from pdmesh_engine.config import EngineConfig
+    from pdmesh_engine.engine_core import EngineCore
+    from pdmesh_engine.forward_batch import ForwardBatch
+
+    model, out = tiny_export
+    ids = torch.randint(0, 1024, (1, 21), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        hidden = model.hidden_states(ids[:, :-1], [])
+        embeds = model.model.embed_tokens(ids[:, 1:])
+        t = ids.shape[1] - 1
+        theirs = model.lm_head(
+            model.mtp[0](embeds, hidden, model.rope.cos[:t], model.rope.sin[:t], [])
+        )[0]
+    engine = EngineCore(
+        out,
+        EngineConfig(
+            dtype="float32", num_blocks=8, speculative_method="mtp", num_speculative_tokens=1
+        ),
+    )
+    runner = engine.runner
+    batch = ForwardBatch.build(
+        [ids[0, :-1].tolist()], [0], [[0, 1]], engine.config.block_size, [False], runner.device
+    )
+    with torch.no_grad():
+        h = runner.model(batch, runner.kv_caches)
+        mtp_kv = torch.zeros((1, *runner.kv_caches.shape[1:]), dtype=runner.kv_caches.dtype)
+        x = runner.model.forward_mtp(ids[0, 1:], h, batch, mtp_kv)
+        ours = runner.model.compute_mtp_logits(x)
+    torch.testing.assert_close(ours, theirs.float(), atol=1e-4, rtol=1e-4)
