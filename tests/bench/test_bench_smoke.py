@@ -8,22 +8,8 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
 from pdmesh.cli.main import main
-from pdmesh.tools.model_init import init_model
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_model(tmp_path_factory.mktemp("bench") / "tiny", "tiny")
-
-
-@pytest.fixture(autouse=True)
-def restore_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 def _positive(value: object) -> bool:

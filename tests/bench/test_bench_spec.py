@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from pdmesh.cli.main import main
-from pdmesh.tools.model_init import init_model
 from pdmesh_bench.spec import cut_prompts, parse_k_list
 
 ROW_KEYS = (
@@ -21,18 +20,6 @@ ROW_KEYS = (
     "acceptance_rate",
     "mean_accepted_length",
 )
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_model(tmp_path_factory.mktemp("bench") / "tiny", "tiny")
-
-
-@pytest.fixture(autouse=True)
-def restore_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 def _bench(model: Path, out: Path, *extra: str) -> dict:
