@@ -11,7 +11,13 @@ def register(commands: argparse._SubParsersAction) -> None:
     sub = p.add_subparsers(dest="model_command", required=True, metavar="ACTION")
     init = sub.add_parser("init", help="write a seeded random checkpoint in Hugging Face layout")
     init.add_argument("dir", type=Path)
-    init.add_argument("--preset", default="tiny", choices=["tiny", "tiny-draft", "small"])
+    init.add_argument(
+        "--preset",
+        default="tiny",
+        choices=["tiny", "tiny-draft", "small", "coder", "coder-draft"],
+        help="random presets: tiny, tiny-draft, small; coder and coder-draft copy the embedded "
+        "trained checkpoints",
+    )
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     init.add_argument(

@@ -166,6 +166,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# Presets whose weights were trained (`pdmesh model train`); `init_model` copies the embedded ones.
+TRAINED_PRESETS = ("coder", "coder-draft")
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """One checkpoint tensor: how to create it, and whether it counts as main, expert or MTP
@@ -466,6 +470,17 @@ def _write_model(
     )
 
 
+def _copy_trained(out: Path, preset: str, log: Callable[[str], None]) -> None:
+    """The embedded trained checkpoint of `preset`, copied into `out`."""
+    from pdmesh_engine.checkpoint import embedded_model_dir
+
+    source = embedded_model_dir(preset)
+    for f in sorted(source.iterdir()):
+        if f.is_file():
+            shutil.copyfile(f, out / f.name)
+    log(f"copied the trained {preset!r} checkpoint ({source.name}, see its README.md)")
+
+
 def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
     """Move the finished `tmp` to `out` in one rename (an interrupted run leaves no half model)."""
     umask = os.umask(0)
@@ -498,11 +513,17 @@ def init_model(
     expert_skew: float = 0.0,
 ) -> Path:
     """Write a seeded random-weight checkpoint of `preset` to `out_dir` (atomically); returns its
-    path.
+    path. A trained preset (`TRAINED_PRESETS`) is a copy of its embedded trained checkpoint
+    instead (seed, dtype and expert_skew apply to random presets only).
 
     expert_skew: Zipf exponent of expert popularity per MoE layer (module docstring); 0: none.
     """
     preset_config(preset, dtype)  # validate before any work
+    if preset in TRAINED_PRESETS and (seed or expert_skew):
+        raise ValueError(
+            f"{preset!r} is a trained preset: its weights are the embedded checkpoint "
+            "(--seed and --expert-skew apply to the random presets)"
+        )
     if not (math.isfinite(expert_skew) and expert_skew >= 0):
         raise ValueError(f"expert_skew must be a finite number >= 0, got {expert_skew}")
     out = Path(out_dir).expanduser().resolve()
@@ -514,7 +535,10 @@ def init_model(
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        _write_model(tmp, preset, seed, dtype, max_shard_bytes, log, expert_skew)
+        if preset in TRAINED_PRESETS:
+            _copy_trained(tmp, preset, log)
+        else:
+            _write_model(tmp, preset, seed, dtype, max_shard_bytes, log, expert_skew)
         _publish(tmp, out, overwrite)
     finally:
         if tmp.exists():
