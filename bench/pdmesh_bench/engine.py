@@ -58,7 +58,7 @@ from pdmesh_bench.machine import (
     rss_snapshot,
     set_threads,
 )
-from pdmesh_bench.spec import print_spec_table, run_spec_bench
+from pdmesh_bench.spec import run_spec
 from pdmesh_engine.engine_core import EngineCore
 from pdmesh_engine.sampling import SamplingParams
 from pdmesh_engine.scheduler import SchedulerOutput
@@ -332,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
         config, max_num_seqs=max(config.max_num_seqs, max(levels)), seed=args.seed
     )
     if args.num_speculative_tokens is not None:
-        return run_spec(args, model_dir, config, levels, load_avg)
+        return run_spec(args, model_dir, config, levels, load_avg, run_engine, _log)
     _log(f"loading the engine from {model_dir}")
     engine = EngineCore(model_dir, config)
     memory = {"after_engine_load": rss_snapshot()}
@@ -365,36 +365,6 @@ def run(args: argparse.Namespace) -> int:
         "hf": _hf_info(hf),
     }
     print_table(report)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-    return 0
-
-
-def run_spec(
-    args: argparse.Namespace,
-    model_dir: Path,
-    config: Any,
-    levels: list[int],
-    load_avg: list[float],
-) -> int:
-    """Speculative decoding off and on side by side (`pdmesh_bench.spec`); no transformers."""
-    rows, dtype = run_spec_bench(args, model_dir, config, levels, run_engine, _log)
-    load_avg.append(os.getloadavg()[0])
-    report = {
-        "results": rows,
-        "model": str(model_dir),
-        "speculative_method": args.speculative_method or "mtp",
-        "draft_model": str(args.draft_model) if args.draft_model else None,
-        "input_len": args.input_len,
-        "output_len": args.output_len,
-        "seed": args.seed,
-        "rounds": args.rounds,
-        "dtype": dtype,
-        "threads": torch.get_num_threads(),
-        "load_average_1min": load_avg,
-    }
-    print_spec_table(report)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")

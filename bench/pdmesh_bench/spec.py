@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -178,3 +180,35 @@ def print_spec_table(report: dict[str, Any]) -> None:
             f"{r['step_ms_median']:>8.1f} {r['steps']:>6} {rate:>7} "
             f"{r['mean_accepted_length']:>9.2f} {per:>22} {match:>6}"
         )
+
+
+def run_spec(
+    args: argparse.Namespace,
+    model_dir: Path,
+    config: EngineConfig,
+    levels: list[int],
+    load_avg: list[float],
+    run_engine: Any,
+    log: Any,
+) -> int:
+    """`bench engine --num-speculative-tokens`: the table, and the JSON report with `--json`."""
+    rows, dtype = run_spec_bench(args, model_dir, config, levels, run_engine, log)
+    load_avg.append(os.getloadavg()[0])
+    report = {
+        "results": rows,
+        "model": str(model_dir),
+        "speculative_method": args.speculative_method or "mtp",
+        "draft_model": str(args.draft_model) if args.draft_model else None,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "seed": args.seed,
+        "rounds": args.rounds,
+        "dtype": dtype,
+        "threads": torch.get_num_threads(),
+        "load_average_1min": load_avg,
+    }
+    print_spec_table(report)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from pdmesh.tools.model_init import preset_config
+from pdmesh.tools.presets import preset_config
 from pdmesh.tools.tokenizer_train import BOS_ID, EOS_ID, tokenizer_config
 from pdmesh.train.model import DeepseekV3ForTraining
 from pdmesh_engine.checkpoint import DTYPES

@@ -28,15 +28,15 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from pdmesh.tools.model_init import preset_model_config
+from pdmesh.tools.presets import preset_model_config
 from pdmesh.tools.tokenizer_train import train_bpe
 from pdmesh.train.data import TokenStream, split, stdlib_sources
 from pdmesh.train.export import export_checkpoint
 from pdmesh.train.model import DeepseekV3ForTraining
+from pdmesh.train.report import SAMPLE_PROMPT, greedy_sample, write_card, write_loss_curve
 from pdmesh_engine.cpu_dtype import has_native_bf16
 
 STATE_DIR = ".train"
-SAMPLE_PROMPT = "def fibonacci(n):\n"
 
 
 @dataclass(frozen=True)
@@ -166,10 +166,182 @@ def _without_threads(config: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in config.items() if k != "threads"}
 
 
-def _save_state(path: Path, state: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+class Trainer:
+    """One training run in `out_dir` (module docstring): `run(until)` trains, saves and, at the
+    last step, writes the checkpoint and its report."""
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        config: TrainConfig,
+        *,
+        resume: bool = False,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        self.out, self.config = Path(out_dir).expanduser(), config
+        self.state_path = self.out / STATE_DIR / "state.pt"
+        if self.out.exists() and any(self.out.iterdir()) and not resume:
+            raise FileExistsError(
+                f"{self.out} is not empty (pass --resume to continue a run there)"
+            )
+        if resume and not self.state_path.is_file():
+            raise FileNotFoundError(f"{self.state_path}: no saved run to resume")
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.progress = Progress(config.steps)
+        self.say = log or self.progress.message
+        self._init_data()
+        self._init_model(resume)
+
+    def _init_data(self) -> None:
+        """The tokenizer (trained on the train files once per run, kept in the run's state
+        folder) and both token streams."""
+        model_config = preset_model_config(self.config.preset)
+        train_files, held_out_files = split(stdlib_sources())
+        path = self.state_path.parent / "tokenizer.json"
+        if not path.is_file():
+            texts = [f.text for f in train_files]
+            path.write_text(train_bpe(texts, model_config.vocab_size), encoding="utf-8")
+        self.tokenizer_json = path.read_text(encoding="utf-8")
+        self.tokenizer = Tokenizer.from_str(self.tokenizer_json)
+        self.train_stream = TokenStream(train_files, self.tokenizer)
+        self.held_out = TokenStream(held_out_files, self.tokenizer)
+        self.say(
+            f"data: {len(train_files)} train files ({len(self.train_stream):,} tokens), "
+            f"{len(held_out_files)} held-out files ({len(self.held_out):,} tokens)"
+        )
+
+    def _init_model(self, resume: bool) -> None:
+        """A seeded model and optimizer, then the saved state when resuming (else the held-out
+        loss at initialisation, the baseline of the card)."""
+        config = self.config
+        torch.manual_seed(config.seed)
+        self.model = DeepseekV3ForTraining(preset_model_config(config.preset))
+        self.model.init_weights(config.seed)
+        self.optimizer = _optimizer(self.model, config)
+        self.history: dict[str, Any] = {"train": [], "eval": []}
+        self.step, self.elapsed = 0, 0.0
+        if resume:
+            saved = torch.load(self.state_path, weights_only=False)
+            if _without_threads(saved["config"]) != _without_threads(asdict(config)):
+                raise ValueError(
+                    f"{self.state_path} was saved with other settings: {saved['config']}"
+                )
+            self.model.load_state_dict(saved["model"])
+            self.optimizer.load_state_dict(saved["optimizer"])
+            self.step, self.elapsed, self.history = (
+                saved["step"],
+                saved["elapsed_s"],
+                saved["history"],
+            )
+            self.say(f"resuming at step {self.step}/{config.steps}")
+        else:
+            initial = evaluate(self.model, self.held_out, config, 0)
+            self.history["eval"].append(asdict(initial))
+            self.say(
+                f"step 0: held-out loss {initial.loss:.3f} (perplexity {initial.perplexity:,.0f})"
+            )
+        self.history.setdefault("runs", []).append(
+            {"start_step": self.step, "threads": torch.get_num_threads()}
+        )
+        self.say(
+            f"training {config.preset}: "
+            f"{sum(p.numel() for p in self.model.parameters()) / 1e6:.1f}M parameters, "
+            f"{config.steps} steps of {config.tokens_per_step} tokens, "
+            f"bf16 autocast {'on' if config.use_bf16() else 'off'}"
+        )
+
+    def run(self, until: int | None = None) -> dict[str, Any] | None:
+        """Train to the last step (or `until`, saving there); the summary at the last step."""
+        config = self.config
+        self.model.train()
+        window_start, window_tokens = time.perf_counter(), 0
+        stop = min(config.steps, until or config.steps)
+        while self.step < stop:
+            record = self._train_step()
+            window_tokens += config.tokens_per_step
+            rate = window_tokens / max(time.perf_counter() - window_start, 1e-9)
+            eta = (config.steps - self.step) * self.elapsed / self.step
+            self.progress.update(self.step, record["loss"], record["mtp_loss"], rate, eta)
+            if self.step % config.eval_every == 0 or self.step == config.steps:
+                self._evaluate()
+            if self.step % config.save_every == 0 or self.step == stop:
+                self._save()
+                window_start, window_tokens = time.perf_counter(), 0
+        if self.step < config.steps:
+            self.say(f"stopped at step {self.step}/{config.steps}; --resume continues")
+            return None
+        return self._finish()
+
+    def _train_step(self) -> dict[str, float]:
+        """One optimizer step and the balancing-bias update; its record in the history."""
+        config, model, t0 = self.config, self.model, time.perf_counter()
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate(config, self.step)
+        batch = self.train_stream.batch(config.batch_size, config.seq_len, config.seed, self.step)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.use_bf16()):
+            losses = model(batch)
+            loss = losses.total(config.mtp_weight, config.balance_weight)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        self.optimizer.step()
+        model.update_balance_bias(losses.routing, config.bias_gamma)
+        self.elapsed += time.perf_counter() - t0
+        record = {
+            "step": self.step + 1,
+            "loss": losses.lm.item(),
+            "mtp_loss": losses.mtp.item(),
+            "balance_loss": losses.balance.item(),
+            "grad_norm": grad_norm,
+            "lr": learning_rate(config, self.step),
+        }
+        self.step += 1
+        self.history["train"].append(record)
+        return record
+
+    def _evaluate(self) -> None:
+        ev = evaluate(self.model, self.held_out, self.config, self.step)
+        self.history["eval"].append(asdict(ev))
+        self.say(
+            f"step {self.step}: held-out loss {ev.loss:.3f} (perplexity {ev.perplexity:.1f}), "
+            f"mtp {ev.mtp_loss:.3f}, busiest expert / mean {max(ev.load_skew, default=1.0):.2f}"
+        )
+
+    def _save(self) -> None:
+        """The resumable state, replaced atomically."""
+        state = {
+            "config": asdict(self.config),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "elapsed_s": self.elapsed,
+            "history": self.history,
+        }
+        tmp = self.state_path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, self.state_path)
+
+    def _finish(self) -> dict[str, Any]:
+        """Export the checkpoint, then training.json, the loss curve and the card."""
+        out, config, model = self.out, self.config, self.model
+        summary = _summary(
+            config, self.history, self.elapsed, len(self.train_stream), len(self.held_out), model
+        )
+        weight_bytes = export_checkpoint(
+            model, config.preset, self.tokenizer_json, out, config.dtype
+        )
+        summary["weight_bytes"] = weight_bytes
+        summary["sample"] = {
+            "prompt": SAMPLE_PROMPT,
+            "completion": greedy_sample(model, self.tokenizer),
+        }
+        (out / "training.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+        write_loss_curve(self.history, out / "loss_curve.png", config.preset)
+        write_card(summary, out / "README.md")
+        self.say(f"wrote {out} ({weight_bytes / 1e6:.1f} MB of weights)")
+        return summary
 
 
 def train(
@@ -180,129 +352,9 @@ def train(
     until: int | None = None,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any] | None:
-    """Train `config.preset` into `out_dir` (see the module docstring); returns the summary that
-    `training.json` holds. `until`: stop after that step with the state saved (None if the run
-    is not finished; `resume` continues it)."""
-    out = Path(out_dir).expanduser()
-    state_dir = out / STATE_DIR
-    state_path = state_dir / "state.pt"
-    if out.exists() and any(out.iterdir()) and not resume:
-        raise FileExistsError(f"{out} is not empty (pass --resume to continue a run there)")
-    if resume and not state_path.is_file():
-        raise FileNotFoundError(f"{state_path}: no saved run to resume")
-    state_dir.mkdir(parents=True, exist_ok=True)
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    progress = Progress(config.steps)
-    say = log or progress.message
-    model_config = preset_model_config(config.preset)
-
-    files = stdlib_sources()
-    train_files, held_out_files = split(files)
-    tokenizer_path = state_dir / "tokenizer.json"
-    if not tokenizer_path.is_file():
-        tokenizer_path.write_text(
-            train_bpe([f.text for f in train_files], model_config.vocab_size), encoding="utf-8"
-        )
-    tokenizer_json = tokenizer_path.read_text(encoding="utf-8")
-    tokenizer = Tokenizer.from_str(tokenizer_json)
-    train_stream = TokenStream(train_files, tokenizer)
-    held_out = TokenStream(held_out_files, tokenizer)
-    say(
-        f"data: {len(train_files)} train files ({len(train_stream):,} tokens), "
-        f"{len(held_out_files)} held-out files ({len(held_out):,} tokens)"
-    )
-
-    torch.manual_seed(config.seed)
-    model = DeepseekV3ForTraining(model_config)
-    model.init_weights(config.seed)
-    optimizer = _optimizer(model, config)
-    history: dict[str, Any] = {"train": [], "eval": []}
-    step, elapsed = 0, 0.0
-    if resume:
-        saved = torch.load(state_path, weights_only=False)
-        if _without_threads(saved["config"]) != _without_threads(asdict(config)):
-            raise ValueError(f"{state_path} was saved with other settings: {saved['config']}")
-        model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        step, elapsed, history = saved["step"], saved["elapsed_s"], saved["history"]
-        say(f"resuming at step {step}/{config.steps}")
-    else:
-        initial = evaluate(model, held_out, config, 0)
-        history["eval"].append(asdict(initial))
-        say(f"step 0: held-out loss {initial.loss:.3f} (perplexity {initial.perplexity:,.0f})")
-    history.setdefault("runs", []).append({"start_step": step, "threads": torch.get_num_threads()})
-    say(
-        f"training {config.preset}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
-        f"parameters, {config.steps} steps of {config.tokens_per_step} tokens, "
-        f"bf16 autocast {'on' if config.use_bf16() else 'off'}"
-    )
-
-    model.train()
-    window_start, window_tokens = time.perf_counter(), 0
-    stop = min(config.steps, until or config.steps)
-    while step < stop:
-        t0 = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(config, step)
-        batch = train_stream.batch(config.batch_size, config.seq_len, config.seed, step)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.use_bf16()):
-            losses = model(batch)
-            loss = losses.total(config.mtp_weight, config.balance_weight)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
-        optimizer.step()
-        model.update_balance_bias(losses.routing, config.bias_gamma)
-        step += 1
-        elapsed += time.perf_counter() - t0
-        window_tokens += config.tokens_per_step
-        rate = window_tokens / max(time.perf_counter() - window_start, 1e-9)
-        record = {
-            "step": step,
-            "loss": losses.lm.item(),
-            "mtp_loss": losses.mtp.item(),
-            "balance_loss": losses.balance.item(),
-            "grad_norm": grad_norm,
-            "lr": learning_rate(config, step - 1),
-        }
-        history["train"].append(record)
-        progress.update(
-            step, record["loss"], record["mtp_loss"], rate, (config.steps - step) * elapsed / step
-        )
-        if step % config.eval_every == 0 or step == config.steps:
-            ev = evaluate(model, held_out, config, step)
-            history["eval"].append(asdict(ev))
-            say(
-                f"step {step}: held-out loss {ev.loss:.3f} (perplexity {ev.perplexity:.1f}), "
-                f"mtp {ev.mtp_loss:.3f}, busiest expert / mean "
-                f"{max(ev.load_skew, default=1.0):.2f}"
-            )
-        if step % config.save_every == 0 or step == stop:
-            _save_state(
-                state_path,
-                {
-                    "config": asdict(config),
-                    "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "step": step,
-                    "elapsed_s": elapsed,
-                    "history": history,
-                },
-            )
-            window_start, window_tokens = time.perf_counter(), 0
-    if step < config.steps:
-        say(f"stopped at step {step}/{config.steps}; --resume continues")
-        return None
-    summary = _summary(config, history, elapsed, len(train_stream), len(held_out), model)
-    weight_bytes = export_checkpoint(model, config.preset, tokenizer_json, out, config.dtype)
-    summary["weight_bytes"] = weight_bytes
-    summary["sample"] = {"prompt": SAMPLE_PROMPT, "completion": greedy_sample(model, tokenizer)}
-    (out / "training.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
-    write_loss_curve(history, out / "loss_curve.png", config.preset)
-    write_card(summary, out / "README.md")
-    say(f"wrote {out} ({weight_bytes / 1e6:.1f} MB of weights)")
-    return summary
+    """Train `config.preset` into `out_dir` (module docstring); the summary `training.json`
+    holds, or None when `until` stopped the run before its last step (`resume` continues it)."""
+    return Trainer(out_dir, config, resume=resume, log=log).run(until)
 
 
 def _summary(
@@ -336,114 +388,3 @@ def _summary(
         "expert_load_skew": last.load_skew,
         "history": history,
     }
-
-
-def write_loss_curve(history: dict[str, Any], path: Path, title: str) -> None:
-    """Train loss per step (and the MTP loss) with the held-out evaluations, as PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    steps = [r["step"] for r in history["train"]]
-    ax.plot(steps, [r["loss"] for r in history["train"]], lw=0.8, label="train")
-    if any(r["mtp_loss"] for r in history["train"]):
-        ax.plot(steps, [r["mtp_loss"] for r in history["train"]], lw=0.8, label="train (MTP, t+2)")
-    ev = history["eval"]
-    ax.plot([e["step"] for e in ev], [e["loss"] for e in ev], "o-", label="held-out")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats / token)")
-    ax.set_title(f"pdmesh model train --preset {title}")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-@torch.no_grad()
-def greedy_sample(
-    model: DeepseekV3ForTraining,
-    tokenizer: Tokenizer,
-    prompt: str = SAMPLE_PROMPT,
-    tokens: int = 48,
-) -> str:
-    """The model's greedy continuation of `prompt` (the card shows it)."""
-    model.eval()
-    ids = tokenizer.encode(prompt).ids
-    for _ in range(tokens):
-        ids.append(int(model.logits(torch.tensor([ids]))[0, -1].argmax()))
-    model.train()
-    return tokenizer.decode(ids[len(tokenizer.encode(prompt).ids) :])
-
-
-def write_card(summary: dict[str, Any], path: Path) -> None:
-    """The model card: data, command, steps, tokens, time, losses, expert-load skew, a sample."""
-    c = summary["config"]
-    command = (
-        f"pdmesh model train DIR --preset {c['preset']} --steps {c['steps']} "
-        f"--batch-size {c['batch_size']} --seq-len {c['seq_len']} --lr {c['lr']} "
-        f"--seed {c['seed']}"
-    )
-    skew = ", ".join(f"{x:.2f}" for x in summary["expert_load_skew"]) or "(no MoE layer)"
-    runs = summary["runs"]
-    threads = (
-        f"{runs[0]['threads']} CPU thread(s)"
-        if len({r["threads"] for r in runs}) == 1
-        else ", then ".join(f"{r['threads']} thread(s) from step {r['start_step']}" for r in runs)
-    )
-    mtp = summary["held_out_mtp_loss"] > 0
-    bits = summary["held_out_loss"] / math.log(2)
-    lines = [
-        f"# pdmesh `{c['preset']}` (trained)",
-        "",
-        "A DeepSeek-V3-architecture model (MLA, shared + routed experts with sigmoid routing and",
-        "auxiliary-loss-free balancing"
-        + (", one MTP module" if mtp else "")
-        + ") trained by `pdmesh model train` on the Python standard library's own sources.",
-        "",
-        "| | |",
-        "|---|---|",
-        f"| command | `{command}` |",
-        f"| data | the `.py` files of Python {summary['python']}'s standard library "
-        "(tests, bundled packages, GUI code and codec tables left out), one file in 20 held "
-        "out by a hash of its path |",
-        f"| tokens | {summary['train_stream_tokens']:,} train, {summary['held_out_tokens']:,} "
-        "held out (byte-level BPE trained on the train files) |",
-        f"| parameters | {summary['parameters'] / 1e6:.2f}M"
-        + (
-            " (MTP included; embedding and head shared with it, stored twice in the checkpoint)"
-            if mtp
-            else ""
-        )
-        + " |",
-        f"| steps | {summary['steps']:,} of {c['batch_size']} x {c['seq_len']} tokens "
-        f"({summary['tokens_seen']:,} tokens seen) |",
-        f"| wall time | {summary['wall_time_s'] / 60:.1f} min of training steps on {threads} "
-        f"(torch {summary['torch']}) |",
-        f"| final train loss | {summary['final_train_loss']:.3f} (mean of the last 50 steps) |",
-        f"| held-out loss | {summary['held_out_loss']:.3f} nats/token, perplexity "
-        f"{summary['held_out_perplexity']:.1f} ({bits:.2f} bits/token) |",
-        f"| at initialisation | held-out loss {summary['random_init_held_out_loss']:.3f}, "
-        f"perplexity {summary['random_init_held_out_perplexity']:,.0f} |",
-    ]
-    if mtp:
-        lines.append(
-            f"| held-out MTP loss | {summary['held_out_mtp_loss']:.3f} (token t+2), perplexity "
-            f"{math.exp(summary['held_out_mtp_loss']):.1f} |"
-        )
-    lines += [
-        f"| expert load skew | busiest expert / mean, per MoE layer on the held-out text: {skew} |",
-        f"| weights | {summary['weight_bytes'] / 1e6:.1f} MB, {c['dtype']} (routers fp32) |",
-        "",
-        "Loss curve: `loss_curve.png`; every step's losses and the evaluations: `training.json`.",
-        "",
-        f"Greedy continuation of `{summary['sample']['prompt'].strip()}`:",
-        "",
-        "```python",
-        summary["sample"]["prompt"] + summary["sample"]["completion"],
-        "```",
-        "",
-    ]
-    path.write_text("\n".join(lines), encoding="utf-8")

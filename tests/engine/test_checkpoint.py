@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdmesh.tools.model_init import init_model, preset_model_config, weight_specs
+from pdmesh.tools.model_init import init_model, weight_specs
+from pdmesh.tools.presets import preset_model_config
 from pdmesh_engine.checkpoint import (
     DTYPES,
     expect_shape,

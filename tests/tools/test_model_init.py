@@ -12,14 +12,8 @@ import torch
 from safetensors import safe_open
 
 from pdmesh.tools import model_init
-from pdmesh.tools.model_init import (
-    PRESETS,
-    count_mtp_parameters,
-    count_parameters,
-    init_model,
-    preset_config,
-    preset_model_config,
-)
+from pdmesh.tools.model_init import count_mtp_parameters, count_parameters, init_model
+from pdmesh.tools.presets import PRESETS, preset_config, preset_model_config
 from pdmesh_engine.config import ModelConfig
 
 transformers = pytest.importorskip("transformers")

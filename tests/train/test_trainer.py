@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pdmesh.tools.model_init import preset_model_config, weight_specs
+from pdmesh.tools.model_init import weight_specs
+from pdmesh.tools.presets import preset_model_config
 from pdmesh.train.data import TokenStream, is_held_out, split, stdlib_sources
 from pdmesh.train.export import checkpoint_tensors, export_checkpoint
 from pdmesh.train.model import DeepseekV3ForTraining, MoE, RoutingStats
