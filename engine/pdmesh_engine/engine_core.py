@@ -279,3 +279,21 @@ class EngineCore:
         """The KV pool, [num_layers, num_blocks, block_size, entry_dim] (what a NIXL agent
         registers)."""
         return self.runner.kv_caches
+
+    @property
+    def draft_kv_caches(self) -> torch.Tensor | None:
+        """The speculative proposer's own KV pool, [layers, num_blocks, block_size, entry] on the
+        same block ids as `kv_caches` (a NIXL agent registers it beside them, and a prompt's
+        hand-off carries both); None with speculation off."""
+        proposer = self.runner.proposer
+        return proposer.kv_caches if proposer is not None else None
+
+    @property
+    def speculative(self) -> str:
+        """What the proposer's KV holds, as prefill and decode ranks compare it at a hand-off: ""
+        (off), "mtp", or "draft_model:<draft model directory name>". K is left out: it changes
+        how far a step drafts, not the KV of the prompt."""
+        method = self.config.speculative_method if self.config.num_spec_tokens else None
+        if method == "draft_model":
+            return f"draft_model:{Path(self.config.draft_model or '').resolve().name}"
+        return method or ""

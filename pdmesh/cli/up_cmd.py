@@ -16,7 +16,13 @@ from pathlib import Path
 
 from pdmesh.cli.options import resolve_model
 from pdmesh_service.supervision import RestartPolicy
-from pdmesh_service.worker.engine_options import add_engine_options, engine_argv
+from pdmesh_service.worker.engine_options import (
+    add_engine_options,
+    add_speculative_options,
+    check_single_rank_speculation,
+    engine_argv,
+    worker_engine_config,
+)
 
 API_KEY_ENV, MESH_TOKEN_ENV = "PDMESH_API_KEY", "PDMESH_MESH_TOKEN"
 
@@ -108,6 +114,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         f"${API_KEY_ENV}. Passed to the gateway in its environment, never in its argv",
     )
     add_engine_options(p)
+    add_speculative_options(p)
     p.set_defaults(run=run)
 
 
@@ -135,6 +142,11 @@ def gateway_argv(args: argparse.Namespace) -> tuple[str, ...]:
 def run(args: argparse.Namespace) -> int:
     from pdmesh.launcher import Mesh, MeshOptions
 
+    # checked before anything starts: a worker would fail on it only once the mesh is up
+    check_single_rank_speculation(
+        worker_engine_config(args),
+        {"--prefill-dep": args.prefill_dep, "--decode-dep": args.decode_dep},
+    )
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pdmesh-logs-"))
     options = MeshOptions(
         model_dir=resolve_model(args.model),

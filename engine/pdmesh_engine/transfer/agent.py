@@ -9,6 +9,9 @@ NIXL WRITE (every layer × coalesced run in one transfer handle, notification = 
 Contracts:
 - the pool tensor `[L, N, B, D]` (contiguous, see `pdmesh_engine.transfer.layout`) is registered
   once and must outlive the agent; the agent never allocates KV memory;
+- with speculative decoding, the proposer's pool (`draft_kv`, `[L', N, B, D']`, the same block ids)
+  is registered beside it, and every WRITE carries both pools' regions (one transfer, one
+  notification): a peer must have a proposer pool exactly when this agent has one;
 - one thread drives an agent (the worker's engine thread); a lock only guards against accidental
   sharing;
 - a WRITE completes only while the receiving agent makes progress, so a receiving (decode) agent
@@ -38,7 +41,7 @@ from typing import Any, Literal
 import torch
 from nixl import _api as nixl_api
 
-from pdmesh_engine.transfer.layout import PoolLayout, plan_write
+from pdmesh_engine.transfer.layout import PoolLayout, plan_write_pools
 
 State = Literal["PENDING", "DONE", "FAILED"]
 _CONFIG_LOCK = threading.Lock()
@@ -55,12 +58,18 @@ class Transfer:
 
     request_id: str
     peer_name: str
-    nbytes: int
+    nbytes: int  # every pool's bytes
     num_regions: int  # descriptors per side (layers × coalesced runs)
     started_s: float  # time.perf_counter() when posted
     handle: Any = field(default=None, repr=False)
     state: State = "PENDING"
     finished_s: float | None = None
+    draft_nbytes: int = 0  # of nbytes, the proposer pool's
+
+    @property
+    def target_nbytes(self) -> int:
+        """Of nbytes, the target KV pool's."""
+        return self.nbytes - self.draft_nbytes
 
     @property
     def seconds(self) -> float | None:
@@ -93,7 +102,8 @@ def _new_nixl_agent(name: str, progress_thread: bool, progress_delay_us: int) ->
 
 
 class KVTransferAgent:
-    """Owns one NIXL agent and the registration of one KV pool."""
+    """Owns one NIXL agent and the registration of one KV pool (and of the speculative proposer's
+    pool beside it, when given)."""
 
     def __init__(
         self,
@@ -101,15 +111,22 @@ class KVTransferAgent:
         kv: torch.Tensor,
         progress_thread: bool = True,
         progress_delay_us: int = 1000,
+        draft_kv: torch.Tensor | None = None,
     ) -> None:
         if not name:
             raise ValueError("agent name must not be empty")
         self.name = name
         self.layout = PoolLayout.of_tensor(kv)
-        self._kv = kv  # keep the memory alive while registered
+        self.draft_layout = PoolLayout.of_tensor(draft_kv) if draft_kv is not None else None
+        if self.draft_layout is not None and self.draft_layout.num_blocks != self.layout.num_blocks:
+            raise ValueError(
+                f"the proposer pool has {self.draft_layout.num_blocks} blocks, the KV pool "
+                f"{self.layout.num_blocks}: both are addressed by the same block ids"
+            )
+        self._pools = [kv] if draft_kv is None else [kv, draft_kv]  # alive while registered
         self._lock = threading.RLock()
         self._agent = _new_nixl_agent(name, progress_thread, progress_delay_us)
-        self._registration = self._agent.register_memory(kv)
+        self._registrations = [self._agent.register_memory(pool) for pool in self._pools]
         self._peers: dict[str, bytes] = {}  # peer name -> metadata it was added with
         self.bytes_sent = self.num_transfers = self.num_failures = 0
         self._closed = False
@@ -153,14 +170,26 @@ class KVTransferAgent:
         peer_name: str,
         peer_layout: PoolLayout,
         remote_block_ids: Sequence[int],
+        peer_draft_layout: PoolLayout | None = None,
     ) -> Transfer:
         """Post ONE WRITE copying local block `local_block_ids[i]` to the peer's
-        `remote_block_ids[i]`, all layers.
+        `remote_block_ids[i]`, all layers, of the KV pool and (with speculative decoding) of the
+        proposer's pool into the peer's `peer_draft_layout`. ValueError when one side has a
+        proposer pool and the other not.
 
         The peer is notified with `request_id` (utf-8) after the bytes land. Returns at once; see
         `poll`.
         """
-        plan = plan_write(self.layout, local_block_ids, peer_layout, remote_block_ids)
+        pools = [(self.layout, peer_layout)]
+        if (self.draft_layout is None) != (peer_draft_layout is None):
+            mine = "has a" if self.draft_layout is not None else "has no"
+            theirs = "has one" if peer_draft_layout is not None else "has none"
+            raise ValueError(
+                f"agent {self.name!r} {mine} speculative proposer pool and {peer_name!r} {theirs}"
+            )
+        if self.draft_layout is not None and peer_draft_layout is not None:
+            pools.append((self.draft_layout, peer_draft_layout))
+        plan = plan_write_pools(pools, local_block_ids, remote_block_ids)
         with self._lock:
             if peer_name not in self._peers:
                 raise ValueError(f"not connected to agent {peer_name!r}")
@@ -176,7 +205,13 @@ class KVTransferAgent:
                     f"cannot start transfer of {request_id!r} to {peer_name!r}: {e}"
                 ) from e
             transfer = Transfer(
-                request_id, peer_name, plan.nbytes, len(plan.local), time.perf_counter(), handle
+                request_id,
+                peer_name,
+                plan.nbytes,
+                len(plan.local),
+                time.perf_counter(),
+                handle,
+                draft_nbytes=sum(plan.pool_nbytes[1:]),
             )
             self.num_transfers += 1
             if self._agent.transfer(handle) == "ERR":
@@ -233,7 +268,8 @@ class KVTransferAgent:
             for peer in list(self._peers):
                 self._agent.remove_remote_agent(peer)
             self._peers.clear()
-            self._agent.deregister_memory(self._registration)
+            for registration in self._registrations:
+                self._agent.deregister_memory(registration)
 
     def _finish(self, transfer: Transfer, state: State) -> None:
         transfer.state, transfer.finished_s = state, time.perf_counter()

@@ -2,7 +2,9 @@
 no protobuf).
 
 Chain: prefill block ids + decode block ids → `coalesce` → runs → `regions` on each side → the two
-equal-length descriptor lists of ONE NIXL WRITE (see `pdmesh_engine.transfer.agent`).
+equal-length descriptor lists of ONE NIXL WRITE (see `pdmesh_engine.transfer.agent`). With
+speculative decoding a rank has a second pool (the proposer's KV, same block ids, its own layers and
+entry width); `plan_write_pools` puts both pools' regions in the one WRITE.
 
 Legend: L layers, N blocks per layer, B tokens per block, D entry elements per token.
 A pool is the contiguous tensor `[L, N, B, D]` of `pdmesh_engine.kv_cache`; block b of layer l
@@ -137,8 +139,9 @@ class WritePlan:
 
     local: list[Region]
     remote: list[Region]
-    nbytes: int  # total bytes moved (all layers)
+    nbytes: int  # total bytes moved (all layers of every pool)
     num_blocks: int  # blocks per layer
+    pool_nbytes: tuple[int, ...] = ()  # bytes of each pool, in the order given (sum = nbytes)
 
 
 def plan_write(
@@ -146,7 +149,19 @@ def plan_write(
 ) -> WritePlan:
     """Validate a block copy local_ids[i] → remote_ids[i] (every layer) and build its regions;
     ValueError if bad."""
-    local.check_compatible(remote)
+    return plan_write_pools([(local, remote)], local_ids, remote_ids)
+
+
+def plan_write_pools(
+    pools: Sequence[tuple[PoolLayout, PoolLayout]],
+    local_ids: Sequence[int],
+    remote_ids: Sequence[int],
+) -> WritePlan:
+    """`plan_write` over several pools addressed by the same block ids (the target's KV pool and a
+    speculative proposer's): each (local, remote) pair's regions, pool after pool, in one plan.
+    ValueError if any pair is incompatible or the ids are bad for any pool."""
+    if not pools:
+        raise ValueError("nothing to write: no pools")
     if not local_ids:
         raise ValueError("nothing to write: no blocks")
     if len(local_ids) != len(remote_ids):
@@ -154,14 +169,23 @@ def plan_write(
             f"{len(local_ids)} local blocks but {len(remote_ids)} remote blocks "
             "(pass the remote ids of the blocks written, e.g. target.block_ids[:len(local)])"
         )
-    local.check_block_ids(local_ids, "local block")
-    remote.check_block_ids(remote_ids, "remote block")
     if len(set(remote_ids)) != len(remote_ids):
         raise ValueError(f"remote block ids repeat: {list(remote_ids)}")
     runs = coalesce(local_ids, remote_ids)
+    local_regions: list[Region] = []
+    remote_regions: list[Region] = []
+    pool_nbytes: list[int] = []
+    for local, remote in pools:
+        local.check_compatible(remote)
+        local.check_block_ids(local_ids, "local block")
+        remote.check_block_ids(remote_ids, "remote block")
+        local_regions += regions(local, runs, "local")
+        remote_regions += regions(remote, runs, "remote")
+        pool_nbytes.append(len(local_ids) * local.num_layers * local.block_bytes)
     return WritePlan(
-        local=regions(local, runs, "local"),
-        remote=regions(remote, runs, "remote"),
-        nbytes=len(local_ids) * local.num_layers * local.block_bytes,
+        local=local_regions,
+        remote=remote_regions,
+        nbytes=sum(pool_nbytes),
         num_blocks=len(local_ids),
+        pool_nbytes=tuple(pool_nbytes),
     )

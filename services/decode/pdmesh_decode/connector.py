@@ -248,10 +248,11 @@ class DecodeConnector:
                 request_id=request_id,
             )
             return
-        layout = self.agent.layout  # the WRITE filled every layer of the reserved blocks
-        self.loop.metrics.kv_received(
-            reservation.num_blocks * layout.num_layers * layout.block_bytes
-        )
+        # the WRITE filled every layer of the reserved blocks, in each pool (the proposer's too)
+        layout, draft = self.agent.layout, self.agent.draft_layout
+        num_bytes = reservation.num_blocks * layout.num_layers * layout.block_bytes
+        draft_bytes = reservation.num_blocks * draft.num_layers * draft.block_bytes if draft else 0
+        self.loop.metrics.kv_received(num_bytes + draft_bytes, draft_bytes)
         self._report(request_id, HandoffState.READY, HandoffState.TRANSFERRING)
         self._carry_out(self.book.apply(request_id, ReservationEvent.KV_ARRIVED, self.clock()))
 

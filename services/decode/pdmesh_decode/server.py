@@ -22,7 +22,13 @@ from pdmesh_service.worker.dep_instance import (
     rank_common,
     run_instance,
 )
-from pdmesh_service.worker.engine_options import add_engine_options, engine_config, resolve_model
+from pdmesh_service.worker.engine_options import (
+    add_engine_options,
+    add_speculative_options,
+    check_single_rank_speculation,
+    resolve_model,
+    worker_engine_config,
+)
 from pdmesh_service.worker.runtime import Worker, WorkerParts, WorkerSpec, run_worker
 
 ROLE = "decode"
@@ -50,6 +56,7 @@ class DecodeConfig:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
     add_engine_options(parser)
+    add_speculative_options(parser)
     add_dep_arguments(parser)
     g = parser.add_argument_group("decode")
     g.add_argument(
@@ -69,10 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> DecodeConfig:
     dep = dep_from_args(args)
+    engine = worker_engine_config(args)
+    check_single_rank_speculation(engine, {"--dep": dep.size})
     return DecodeConfig(
         rank_common(common_from_args(args), ROLE, dep),
         resolve_model(args.model),
-        engine_config(args),
+        engine,
         args.kvstore,
         args.lease_ms,
         args.kv_quarantine_s,
@@ -91,7 +100,10 @@ def build_worker(config: DecodeConfig) -> Callable[[WorkerParts], Worker[DecodeS
             agent_name=parts.agent.name,
             layout=layout_to_pb(parts.agent.layout),
             instance_id=parts.instance_id,
+            speculative=parts.engine.engine.speculative,
         )
+        if parts.agent.draft_layout is not None:  # the prefill rank writes the proposer's KV too
+            target.draft_layout.CopyFrom(layout_to_pb(parts.agent.draft_layout))
         return Worker(
             connector,
             DecodeServicer(parts.engine, connector, parts.instance_id, target, config.lease_ms),

@@ -29,7 +29,6 @@ from pdmesh_prefill.core import (
     PushTarget,
     after_claim,
     claim_error,
-    kv_bytes,
     plan_push,
 )
 from pdmesh_service.errors import FailedPrecondition, MeshError, Unavailable
@@ -55,8 +54,9 @@ class PushResult:
     """A WRITE that ended DONE; the engine released the prompt's blocks before this was sent."""
 
     step: StepOutput  # the finished prefill step: the first token
-    kv_bytes: int
+    kv_bytes: int  # every pool's
     seconds: float  # from posting the WRITE to seeing it DONE
+    draft_kv_bytes: int = 0  # of kv_bytes, the speculative proposer pool's
 
 
 # ----- engine thread -----
@@ -71,7 +71,8 @@ class _Push:
     target: PushTarget | None = None
     transfer: Transfer | None = None
     started: float = 0.0
-    num_bytes: int = 0
+    num_bytes: int = 0  # every pool's
+    num_draft_bytes: int = 0  # of num_bytes, the proposer pool's
 
     @property
     def is_in_flight(self) -> bool:
@@ -124,10 +125,11 @@ class KVPusher:
                 self.loop.engine.blocks_of(request_id),
                 target,
             )
-            push.num_bytes = kv_bytes(len(local), layout.num_layers, layout.block_bytes)
             push.transfer = self.agent.write(
-                request_id, local, target.agent_name, target.layout, remote
+                request_id, local, target.agent_name, target.layout, remote, target.draft_layout
             )
+            # both pools' blocks of the prompt, every layer
+            push.num_bytes, push.num_draft_bytes = push.transfer.nbytes, push.transfer.draft_nbytes
         except Exception as e:  # noqa: BLE001 - nothing was posted: reported to the waiter
             self._end(push, e)
 
@@ -172,8 +174,11 @@ class KVPusher:
         if error is None and push.step is not None:
             measured = push.transfer.seconds if push.transfer is not None else None
             seconds = measured if measured is not None else time.perf_counter() - push.started
-            self.loop.metrics.kv_sent(push.num_bytes, seconds)
-            self._answer(push.waiter, PushResult(push.step, push.num_bytes, seconds))
+            self.loop.metrics.kv_sent(push.num_bytes, seconds, push.num_draft_bytes)
+            self._answer(
+                push.waiter,
+                PushResult(push.step, push.num_bytes, seconds, push.num_draft_bytes),
+            )
             return
         self.loop.metrics.transfer_failed()
         log.warning("KV transfer failed", request_id=request_id, peer=peer, error=str(error))

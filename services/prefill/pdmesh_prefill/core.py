@@ -25,6 +25,13 @@ blocks (the ending must abort the request to free them).
 The prompt's KV lies in the first ceil(prompt_len / block_size) blocks the request holds
 (prefix-cached blocks included, in token order); they go to the same number of leading target
 blocks, every layer.
+
+Speculative decoding: a rank that speculates keeps the proposer's KV (the MTP layer's or the draft
+model's) in a second pool on the same block ids, and the push writes those blocks of both pools in
+the one WRITE, so decode proposes from its first step. Both ranks must run the same proposer
+(`EngineCore.speculative`, carried by the target): `check_speculation` refuses a hand-off between
+ranks that differ (a decode rank expecting proposer KV is never paired silently with a prefill rank
+that computes none, nor the other way round).
 """
 
 from __future__ import annotations
@@ -68,6 +75,37 @@ class PushTarget:
     agent_name: str
     layout: PoolLayout
     block_ids: tuple[int, ...]
+    draft_layout: PoolLayout | None = None  # the decode rank's proposer pool (speculation on)
+    speculative: str = ""  # the decode rank's `EngineCore.speculative` ("": off)
+
+
+def _speculation(setting: str) -> str:
+    return f"speculative decoding {setting!r}" if setting else "no speculative decoding"
+
+
+def check_speculation(target: PushTarget, speculative: str, draft: PoolLayout | None) -> None:
+    """FailedPrecondition unless the target rank runs the same proposer as this one (`speculative`,
+    with its pool `draft`) and its proposer pool holds the same blocks."""
+    same = "the KV hand-off carries the proposer's KV, so prefill and decode ranks must be started "
+    same += "with the same --speculative-method (and --draft-model)"
+    if target.speculative != speculative:
+        raise FailedPrecondition(
+            f"decode rank {target.agent_name} runs {_speculation(target.speculative)} and this "
+            f"prefill rank {_speculation(speculative)}: {same}"
+        )
+    if (draft is None) != (target.draft_layout is None):
+        has = "has no" if target.draft_layout is None else "has a"
+        raise FailedPrecondition(
+            f"decode rank {target.agent_name} {has} proposer KV pool, unlike this prefill rank "
+            f"(both run {_speculation(speculative)}): {same}"
+        )
+    if draft is not None and target.draft_layout is not None:
+        try:
+            draft.check_compatible(target.draft_layout)
+        except ValueError as e:
+            raise FailedPrecondition(
+                f"the proposer pool of {target.agent_name} does not match this one: {e}"
+            ) from e
 
 
 def check_target(target: PushTarget, local: PoolLayout, num_prompt_tokens: int) -> int:

@@ -19,7 +19,13 @@ from pdmesh_service.worker.dep_instance import (
     rank_common,
     run_instance,
 )
-from pdmesh_service.worker.engine_options import add_engine_options, engine_config, resolve_model
+from pdmesh_service.worker.engine_options import (
+    add_engine_options,
+    add_speculative_options,
+    check_single_rank_speculation,
+    resolve_model,
+    worker_engine_config,
+)
 from pdmesh_service.worker.runtime import Worker, WorkerParts, WorkerSpec, run_worker
 
 ROLE = "prefill"
@@ -38,6 +44,7 @@ class PrefillConfig:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
     add_engine_options(parser)
+    add_speculative_options(parser)
     add_dep_arguments(parser)
     g = parser.add_argument_group("prefill")
     g.add_argument(
@@ -47,10 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> PrefillConfig:
     dep = dep_from_args(args)
+    engine = worker_engine_config(args)
+    check_single_rank_speculation(engine, {"--dep": dep.size})
     return PrefillConfig(
         rank_common(common_from_args(args), ROLE, dep),
         resolve_model(args.model),
-        engine_config(args),
+        engine,
         args.kvstore,
         dep,
     )
@@ -62,7 +71,15 @@ def _make_worker(parts: WorkerParts) -> Worker[PrefillServicer]:
         parts.engine, KVPusher(parts.engine, parts.agent), parts.kvstore, parts.instance_id
     )
     return Worker(
-        connector, PrefillServicer(connector, parts.engine, parts.instance_id, parts.agent.layout)
+        connector,
+        PrefillServicer(
+            connector,
+            parts.engine,
+            parts.instance_id,
+            parts.agent.layout,
+            parts.agent.draft_layout,
+            parts.engine.engine.speculative,
+        ),
     )
 
 

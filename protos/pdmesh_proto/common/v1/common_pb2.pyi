@@ -97,16 +97,20 @@ class KVLayout(_message.Message):
     def __init__(self, base_address: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., block_bytes: _Optional[int] = ..., layer_stride_bytes: _Optional[int] = ..., device_id: _Optional[int] = ..., memory_type: _Optional[str] = ...) -> None: ...
 
 class KVTarget(_message.Message):
-    __slots__ = ("agent_name", "layout", "block_ids", "instance_id")
+    __slots__ = ("agent_name", "layout", "block_ids", "instance_id", "draft_layout", "speculative")
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     agent_name: str
     layout: KVLayout
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     instance_id: str
-    def __init__(self, agent_name: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    draft_layout: KVLayout
+    speculative: str
+    def __init__(self, agent_name: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., draft_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., speculative: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("check_integrity",)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdmesh_proto.common.v1 import common_pb2 as pdmesh__proto_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%pdmesh_proto/prefill/v1/prefill.proto\x12\x11pdmesh.prefill.v1\x1a#pdmesh_proto/common/v1/common.proto\"\x9e\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x32\n\x08sampling\x18\x03 \x01(\x0b\x32 .pdmesh.common.v1.SamplingParams\x12*\n\x06target\x18\x04 \x01(\x0b\x32\x1a.pdmesh.common.v1.KVTarget\"\x8d\x01\n\x0fPrefillResponse\x12\x33\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x1e.pdmesh.common.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\x10\n\x08kv_bytes\x18\x03 \x01(\x04\x12\x18\n\x10transfer_seconds\x18\x04 \x01(\x01\x32\xa6\x01\n\x07Prefill\x12P\n\x07Prefill\x12!.pdmesh.prefill.v1.PrefillRequest\x1a\".pdmesh.prefill.v1.PrefillResponse\x12I\n\x06Status\x12\x1f.pdmesh.common.v1.StatusRequest\x1a\x1e.pdmesh.common.v1.WorkerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%pdmesh_proto/prefill/v1/prefill.proto\x12\x11pdmesh.prefill.v1\x1a#pdmesh_proto/common/v1/common.proto\"\x9e\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x32\n\x08sampling\x18\x03 \x01(\x0b\x32 .pdmesh.common.v1.SamplingParams\x12*\n\x06target\x18\x04 \x01(\x0b\x32\x1a.pdmesh.common.v1.KVTarget\"\xa5\x01\n\x0fPrefillResponse\x12\x33\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x1e.pdmesh.common.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\x10\n\x08kv_bytes\x18\x03 \x01(\x04\x12\x18\n\x10transfer_seconds\x18\x04 \x01(\x01\x12\x16\n\x0e\x64raft_kv_bytes\x18\x05 \x01(\x04\x32\xa6\x01\n\x07Prefill\x12P\n\x07Prefill\x12!.pdmesh.prefill.v1.PrefillRequest\x1a\".pdmesh.prefill.v1.PrefillResponse\x12I\n\x06Status\x12\x1f.pdmesh.common.v1.StatusRequest\x1a\x1e.pdmesh.common.v1.WorkerStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,7 +35,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=98
   _globals['_PREFILLREQUEST']._serialized_end=256
   _globals['_PREFILLRESPONSE']._serialized_start=259
-  _globals['_PREFILLRESPONSE']._serialized_end=400
-  _globals['_PREFILL']._serialized_start=403
-  _globals['_PREFILL']._serialized_end=569
+  _globals['_PREFILLRESPONSE']._serialized_end=424
+  _globals['_PREFILL']._serialized_start=427
+  _globals['_PREFILL']._serialized_end=593
 # @@protoc_insertion_point(module_scope)

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pdmesh_engine.engine_core import EngineCore
 from pdmesh_engine.sampling import SamplingParams
 from pdmesh_engine.scheduler import StepOutput
+from pdmesh_engine.spec_decode import SpecDecodeStats
 from pdmesh_service.errors import Unavailable
 from pdmesh_service.logging import get_logger
 from pdmesh_service.worker.metrics import WorkerLoad, WorkerMetrics, WorkerStats
@@ -66,6 +67,7 @@ class EngineStatus:
     rank: int = 0
     dp_size: int = 1
     expert_weight_bytes: int = 0
+    spec_decode: SpecDecodeStats | None = None  # None: speculative decoding is off
 
     @property
     def load(self) -> WorkerLoad:
@@ -381,6 +383,7 @@ class EngineLoop:
             except AssertionError as e:
                 error = str(e) or "the KV pool's integrity check failed"
         core = self.engine.status()
+        self.metrics.observe_spec_decode(core.spec_decode)
         kv = core.kv
         return EngineStatus(
             core.num_running,
@@ -394,6 +397,7 @@ class EngineLoop:
             self.rank,
             self.dp_size,
             core.expert_weight_bytes,
+            core.spec_decode,
         )
 
     def _fail_all(self, error: BaseException) -> None:

@@ -1,12 +1,14 @@
 """Options shared by commands that run an engine, read and validated in one place.
 
 Every default is `EngineConfig`'s (`_DEFAULTS`), and `engine_argv` writes back only what differs
-from it.
+from it. Workers (and `pdmesh up`, which passes them on) also take the speculative-decoding options
+(`add_speculative_options`; `worker_engine_config` reads both groups).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from pdmesh_engine.config import DTYPE_NAMES, SPECULATIVE_METHODS, EngineConfig
@@ -152,6 +154,28 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def worker_engine_config(args: argparse.Namespace) -> EngineConfig:
+    """`engine_config` with the speculative-decoding fields of `add_speculative_options` (a worker,
+    `pdmesh up`)."""
+    return dataclasses.replace(
+        engine_config(args),
+        **speculative_fields(  # type: ignore[arg-type]
+            args.speculative_method, args.num_speculative_tokens, args.draft_model
+        ),
+    )
+
+
+def check_single_rank_speculation(config: EngineConfig, dep_sizes: dict[str, int]) -> None:
+    """ValueError when speculative decoding is asked of a DEP instance (`dep_sizes`: flag -> ranks
+    per instance), before any process starts: the engine speculates on a single rank only."""
+    multi = [f"{flag} {size}" for flag, size in dep_sizes.items() if size > 1]
+    if config.speculative_method and multi:
+        raise ValueError(
+            "speculative decoding runs on a single-rank engine, not under DEP: drop "
+            f"--speculative-method or {', '.join(multi)}"
+        )
+
+
 def resolve_model(model: Path | None) -> Path:
     """The --model directory; a worker needs one (`pdmesh serve` fills in the cached default
     model)."""
@@ -173,4 +197,28 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
             argv += [flag, str(value // _MIB if name == "kv_cache_memory_bytes" else value)]
     if not config.enable_prefix_caching:
         argv.append("--no-prefix-caching")
+    return argv + speculative_argv(args)
+
+
+def speculative_argv(args: argparse.Namespace) -> list[str]:
+    """The speculative-decoding options of `args` (when it has them) as flags, resolved as the
+    engine will run them (a method alone: K = 1; draft_model alone: the embedded draft model;
+    the draft directory absolute); [] with speculation off."""
+    if getattr(args, "speculative_method", None) is None and not getattr(
+        args, "num_speculative_tokens", None
+    ):
+        return []
+    fields = speculative_fields(
+        args.speculative_method, args.num_speculative_tokens, args.draft_model
+    )
+    if not fields["speculative_method"]:
+        return []
+    argv = [
+        "--speculative-method",
+        str(fields["speculative_method"]),
+        "--num-speculative-tokens",
+        str(fields["num_speculative_tokens"]),
+    ]
+    if fields["draft_model"] is not None:
+        argv += ["--draft-model", str(Path(str(fields["draft_model"])).resolve())]
     return argv

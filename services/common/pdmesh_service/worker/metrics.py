@@ -6,15 +6,23 @@ together.
 both the `WorkerStats` total and the series labelled `instance=<instance_id>`. Series (dashboards
 and tests read these names):
 
-    pdmesh_kv_transfer_bytes_total     KV bytes written to other agents over NIXL
+    pdmesh_kv_transfer_bytes_total     KV bytes written to other agents over NIXL (every pool)
+    pdmesh_kv_transfer_draft_bytes_total  of those, the speculative proposer pool's
     pdmesh_kv_transfer_seconds         duration of one NIXL KV WRITE (histogram)
     pdmesh_kv_transfer_failures_total  NIXL KV transfers that failed
-    pdmesh_kv_received_bytes_total     KV bytes other agents wrote into this pool
+    pdmesh_kv_received_bytes_total     KV bytes other agents wrote into this rank's pools
+    pdmesh_kv_received_draft_bytes_total  of those, the speculative proposer pool's
     pdmesh_lease_expiries_total        reservations whose lease ran out before the KV
     pdmesh_kv_quarantines_total        ended reservations whose blocks stayed out while a WRITE
                                        could land
     pdmesh_kv_blocks_used / _free      gauges, from the last `observe_load`
     pdmesh_requests_running / _waiting gauges, likewise
+    pdmesh_spec_decode_draft_tokens_total{position}     drafts verified at each draft position
+    pdmesh_spec_decode_accepted_tokens_total{position}  drafts accepted at each draft position
+    pdmesh_spec_decode_verify_steps_total               request steps that verified drafts
+    pdmesh_spec_decode_emitted_tokens_total             tokens those steps emitted
+                                       (speculative decoding only: `observe_spec_decode` brings
+                                       them up to the engine's `SpecDecodeStats`)
 
 Prometheus families are per registry: `WorkerCollectors(registry)` makes them;
 `default_collectors()` is the one set on the process-wide default registry (several ranks in one
@@ -25,8 +33,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from pdmesh_engine.spec_decode import SpecDecodeStats
 
 TRANSFER_SECONDS_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 _INSTANCE_LABEL = ("instance",)
@@ -36,8 +48,10 @@ _INSTANCE_LABEL = ("instance",)
 class WorkerStats:
     """Totals since the rank started (a snapshot is returned by `WorkerMetrics.snapshot`)."""
 
-    kv_bytes_sent: int = 0
-    kv_bytes_received: int = 0
+    kv_bytes_sent: int = 0  # every pool's
+    kv_bytes_received: int = 0  # every pool's
+    kv_draft_bytes_sent: int = 0  # of kv_bytes_sent, the speculative proposer pool's
+    kv_draft_bytes_received: int = 0  # of kv_bytes_received, likewise
     transfer_failures: int = 0
     lease_expiries: int = 0
     kv_quarantines: int = 0
@@ -78,7 +92,15 @@ class WorkerCollectors:
             "pdmesh_kv_transfer_failures_total", "NIXL KV transfers that failed"
         )
         self.kv_received_bytes = counter(
-            "pdmesh_kv_received_bytes_total", "KV bytes other agents wrote into this pool"
+            "pdmesh_kv_received_bytes_total", "KV bytes other agents wrote into this rank's pools"
+        )
+        self.kv_transfer_draft_bytes = counter(
+            "pdmesh_kv_transfer_draft_bytes_total",
+            "Of the KV bytes written over NIXL, the speculative proposer pool's",
+        )
+        self.kv_received_draft_bytes = counter(
+            "pdmesh_kv_received_draft_bytes_total",
+            "Of the KV bytes received over NIXL, the speculative proposer pool's",
         )
         self.lease_expiries = counter(
             "pdmesh_lease_expiries_total", "Reservations whose lease ran out before the KV"
@@ -92,6 +114,27 @@ class WorkerCollectors:
         self.requests_running = gauge("pdmesh_requests_running", "Requests in the running batch")
         self.requests_waiting = gauge(
             "pdmesh_requests_waiting", "Requests waiting to run or for KV"
+        )
+        by_position = (*_INSTANCE_LABEL, "position")
+        self.spec_draft_tokens = Counter(
+            "pdmesh_spec_decode_draft_tokens_total",
+            "Speculative drafts verified, by position in their step (0: the first draft)",
+            by_position,
+            registry=registry,
+        )
+        self.spec_accepted_tokens = Counter(
+            "pdmesh_spec_decode_accepted_tokens_total",
+            "Speculative drafts accepted, by position in their step (0: the first draft)",
+            by_position,
+            registry=registry,
+        )
+        self.spec_verify_steps = counter(
+            "pdmesh_spec_decode_verify_steps_total",
+            "Request steps that verified speculative drafts",
+        )
+        self.spec_emitted_tokens = counter(
+            "pdmesh_spec_decode_emitted_tokens_total",
+            "Tokens emitted by the steps that verified drafts (accepted drafts + 1 each)",
         )
 
 
@@ -108,11 +151,15 @@ class WorkerMetrics:
     def __init__(self, instance_id: str, collectors: WorkerCollectors | None = None) -> None:
         families = collectors if collectors is not None else default_collectors()
         self.instance_id = instance_id
+        self._families = families
         self._stats = WorkerStats()
         self._sent = families.kv_transfer_bytes.labels(instance_id)
         self._seconds = families.kv_transfer_seconds.labels(instance_id)
         self._failures = families.kv_transfer_failures.labels(instance_id)
         self._received = families.kv_received_bytes.labels(instance_id)
+        self._draft_sent = families.kv_transfer_draft_bytes.labels(instance_id)
+        self._draft_received = families.kv_received_draft_bytes.labels(instance_id)
+        self._spec: SpecDecodeStats | None = None  # the last stats `observe_spec_decode` saw
         self._expiries = families.lease_expiries.labels(instance_id)
         self._quarantines = families.kv_quarantines.labels(instance_id)
         self._load = (
@@ -128,18 +175,24 @@ class WorkerMetrics:
     def request_taken(self) -> None:
         self._stats.requests_total += 1
 
-    def kv_sent(self, num_bytes: int, seconds: float) -> None:
+    def kv_sent(self, num_bytes: int, seconds: float, draft_bytes: int = 0) -> None:
+        """One WRITE of `num_bytes` in all, `draft_bytes` of them the proposer pool's."""
         self._stats.kv_bytes_sent += num_bytes
+        self._stats.kv_draft_bytes_sent += draft_bytes
         self._sent.inc(num_bytes)
+        self._draft_sent.inc(draft_bytes)
         self._seconds.observe(seconds)
 
     def transfer_failed(self) -> None:
         self._stats.transfer_failures += 1
         self._failures.inc()
 
-    def kv_received(self, num_bytes: int) -> None:
+    def kv_received(self, num_bytes: int, draft_bytes: int = 0) -> None:
+        """A WRITE of `num_bytes` in all landed, `draft_bytes` of them in the proposer pool."""
         self._stats.kv_bytes_received += num_bytes
+        self._stats.kv_draft_bytes_received += draft_bytes
         self._received.inc(num_bytes)
+        self._draft_received.inc(draft_bytes)
 
     def lease_expired(self) -> None:
         self._stats.lease_expiries += 1
@@ -156,3 +209,31 @@ class WorkerMetrics:
         free.set(load.kv_blocks_free)
         running.set(load.num_running)
         waiting.set(load.num_waiting)
+
+    def observe_spec_decode(self, stats: SpecDecodeStats | None) -> None:
+        """Bring the speculative-decoding counters up to the engine's totals `stats` (None:
+        speculation is off, nothing to count). Called with each status the engine thread makes."""
+        if stats is None:
+            return
+        last = self._spec
+        families, instance = self._families, self.instance_id
+        for position, (drafts, accepted) in enumerate(
+            zip(stats.num_drafts_per_position, stats.num_accepted_per_position, strict=True)
+        ):
+            if last is None or position >= len(last.num_drafts_per_position):
+                before = (0, 0)
+            else:
+                before = (
+                    last.num_drafts_per_position[position],
+                    last.num_accepted_per_position[position],
+                )
+            label = str(position)
+            families.spec_draft_tokens.labels(instance, label).inc(drafts - before[0])
+            families.spec_accepted_tokens.labels(instance, label).inc(accepted - before[1])
+        families.spec_verify_steps.labels(instance).inc(
+            stats.num_verify_steps - (last.num_verify_steps if last else 0)
+        )
+        families.spec_emitted_tokens.labels(instance).inc(
+            stats.num_emitted_tokens - (last.num_emitted_tokens if last else 0)
+        )
+        self._spec = stats

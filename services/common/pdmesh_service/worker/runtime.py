@@ -1,13 +1,14 @@
 """Wiring shared by the decode and prefill servers: engine, NIXL agent, kvstore, gRPC, heartbeat.
 
-`run_worker` builds the engine, a NIXL agent (named after the instance id) over its KV pool and the
-rank's `WorkerMetrics`, publishes the agent's metadata in the kvstore, builds the role's `Worker`
-from those parts (`WorkerSpec.make_worker`: the role that runs in the engine thread and the servicer
-over it), starts the engine thread with that role and the gRPC server, then heartbeats
-`InstanceInfo(ready=True, stats=...)` (and sets the load gauges) and, with prefix caching on,
-publishes the pool's KV events to the kvstore's prefix index (`worker.kv_events`, rank id = the
-instance id) until cancelled; on the way out it stops publishing, deregisters, stops serving, closes
-the role, aborts everything in the engine and closes its clients (in that order).
+`run_worker` builds the engine, a NIXL agent (named after the instance id) over its KV pool (and the
+speculative proposer's pool beside it, when speculation is on) and the rank's `WorkerMetrics`,
+publishes the agent's metadata in the kvstore, builds the role's `Worker` from those parts
+(`WorkerSpec.make_worker`: the role that runs in the engine thread and the servicer over it), starts
+the engine thread with that role and the gRPC server, then heartbeats `InstanceInfo(ready=True,
+stats=...)` (and sets the load gauges) and, with prefix caching on, publishes the pool's KV events
+to the kvstore's prefix index (`worker.kv_events`, rank id = the instance id) until cancelled; on
+the way out it stops publishing, deregisters, stops serving, closes the role, aborts everything in
+the engine and closes its clients (in that order).
 
 A DEP rank (`DEPOptions.is_rank`; its `common` comes from `dep_instance.rank_common`) first joins
 its instance's group, builds the engine with its share of the experts, registers as `<id>-r<rank>`
@@ -157,7 +158,13 @@ async def run_worker(
     engine = await asyncio.to_thread(EngineCore, model_dir, engine_config, context)
     # Decode needs NIXL's progress thread to receive writes promptly; prefill drives progress itself
     # (poll/wait on its own transfers), which measured faster than with the thread.
-    agent = KVTransferAgent(instance_id, engine.kv_caches, progress_thread=spec.role == "decode")
+    # with speculative decoding the proposer's pool is registered too: a hand-off moves both
+    agent = KVTransferAgent(
+        instance_id,
+        engine.kv_caches,
+        progress_thread=spec.role == "decode",
+        draft_kv=engine.draft_kv_caches,
+    )
     rank, size = (dep.rank or 0, dep.size) if dep is not None else (0, 1)  # a DEP rank has its rank
     loop = EngineLoop(engine, agent, instance_id, rank, size, WorkerMetrics(instance_id))
     redis = connect(common.redis_url)
@@ -227,6 +234,8 @@ async def run_worker(
             rank=rank,
             dp_size=size,
             kv_blocks=engine.kv_layout.num_blocks,
+            speculative=engine.speculative or "off",
+            num_speculative_tokens=engine_config.num_spec_tokens,
         )
         if ready is not None:
             ready.set()
