@@ -85,14 +85,6 @@ class MeshOptions:
             )
         if self.num_redundant_experts and max(self.prefill_dep, self.decode_dep) == 1:
             raise ValueError("--num-redundant-experts needs --prefill-dep or --decode-dep > 1")
-        if (
-            "--speculative-method" in self.worker_args
-            and max(self.prefill_dep, self.decode_dep) > 1
-        ):
-            raise ValueError(
-                "speculative decoding runs on a single-rank engine, not under DEP: drop "
-                "--speculative-method or --prefill-dep/--decode-dep"
-            )
 
     def dep(self, role: str) -> int:
         return {"prefill": self.prefill_dep, "decode": self.decode_dep}.get(role, 1)

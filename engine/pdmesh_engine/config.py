@@ -217,7 +217,7 @@ class EngineConfig:
     expert_load_window: int = 1000  # steps of per-slot expert load kept for EPLB (a ring)
     # decode: at most this many requests whose KV just arrived join the batch per step; None: no cap
     max_kv_loads_per_step: int | None = None
-    # speculative decoding (single-rank engines; see pdmesh_engine.spec_decode): None (off) | "mtp"
+    # speculative decoding (see pdmesh_engine.spec_decode): None (off) | "mtp"
     # (the checkpoint's own MTP layer drafts) | "draft_model" (a smaller checkpoint in
     # `draft_model` drafts); `num_speculative_tokens` K drafts per step, 1..8 when a method is set
     speculative_method: str | None = None

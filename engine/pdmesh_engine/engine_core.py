@@ -7,15 +7,20 @@ single-rank engine at the first step after staging finished, a DEP rank in the s
 has it ready (agreed through the per-step DP sync, pdmesh_engine.parallel.dep). Greedy outputs do
 not change: a placement only decides which slot computes an expert.
 
-Speculative decoding (`EngineConfig.speculative_method`, single rank only): the scheduler schedules
-drafts, the runner verifies and proposes (`ModelRunner.execute_spec`), and a step may emit several
-tokens per request; `spec_decode_stats()` (also on `status()`) says how many drafts were accepted.
+Speculative decoding (`EngineConfig.speculative_method`): the scheduler schedules drafts, the
+runner verifies and proposes (`ModelRunner.execute_spec`), and a step may emit several tokens per
+request; `spec_decode_stats()` (also on `status()`) says how many drafts were accepted. A DEP rank
+speculates too: every rank runs the proposer's passes in each step, padded with dummy passes
+(pdmesh_engine.parallel.dep); a draft model's routed experts are split across the ranks on a
+placement of their own. A draft model with MoE layers is balanced on its own ("draft" in
+`expert_models`, beside "target"): its own load ring (`expert_load_window("draft")`), its own
+placement versions (`stage_placement(..., model="draft")`), switched like the target's.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,10 +29,16 @@ from pdmesh_engine.config import EngineConfig, ModelConfig
 from pdmesh_engine.kv_cache import KVCacheManager, KVCacheStats
 from pdmesh_engine.model_runner import ModelRunner
 from pdmesh_engine.parallel.dep import DEPContext, LockstepStepper
-from pdmesh_engine.parallel.placement import CheckpointTensors, PlacementStager, StagingStats
+from pdmesh_engine.parallel.placement import (
+    CheckpointTensors,
+    ExpertModel,
+    PlacementStager,
+    StagingStats,
+)
 from pdmesh_engine.request import Request, RequestStatus
 from pdmesh_engine.sampling import SamplingParams, check_prompt
 from pdmesh_engine.scheduler import (
+    SampledToken,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
@@ -35,10 +46,15 @@ from pdmesh_engine.scheduler import (
     StepOutput,
 )
 from pdmesh_engine.spec_decode import SpecDecodeCounter, SpecDecodeStats
+from pdmesh_engine.spec_proposer import DraftModelProposer
+
+# the models of an engine whose routed experts EPLB balances (`EngineCore.expert_models`)
+TARGET, DRAFT = "target", "draft"
 
 if TYPE_CHECKING:
     import torch
 
+    from pdmesh_engine.model.moe import ExpertLoadRecorder
     from pdmesh_engine.model_runner import KVLayout
 
 
@@ -64,14 +80,13 @@ class EngineCore:
         """`dep`: this engine is one rank of a DEP instance (see pdmesh_engine.parallel.dep); step()
         is collective."""
         self.config = config or EngineConfig()
-        if dep is not None and self.config.speculative_method:
-            raise ValueError("speculative decoding runs on a single-rank engine, not under DEP")
         self.model_config = ModelConfig.from_dir(model_dir)
         self.runner = ModelRunner(
             model_dir,
             self.model_config,
             self.config,
             model_kwargs=dep.model_kwargs(self.model_config) if dep else None,
+            draft_model_kwargs=dep.draft_model_kwargs if dep else None,
         )
         layout = self.runner.kv_layout
         # DEP: the last block is the dummy forward's scratch
@@ -91,14 +106,36 @@ class EngineCore:
         self.stager = PlacementStager(
             self.runner.model, CheckpointTensors(model_dir), self.runner.expert_load
         )
+        # the models whose experts EPLB balances: the target, and a draft model with MoE layers
+        self.expert_models = {
+            TARGET: ExpertModel(
+                self.runner.model,
+                self.runner.expert_load,
+                self.stager,
+                self.config.expert_load_window,
+            )
+        }
+        draft = self.runner.proposer
+        if isinstance(draft, DraftModelProposer) and draft.expert_load is not None:
+            self.expert_models[DRAFT] = ExpertModel(
+                draft.model,
+                draft.expert_load,
+                PlacementStager(
+                    draft.model, CheckpointTensors(self.config.draft_model or ""), draft.expert_load
+                ),
+                self.config.expert_load_window,
+            )
         self.lockstep: LockstepStepper | None = None
         if dep is not None:
+            if self.runner.proposer is not None:  # its dummy passes share the scratch block
+                self.runner.proposer.lockstep_scratch = num_blocks
             self.lockstep = LockstepStepper(
                 dep.dp_sync,
                 self.runner,
                 scratch_block=num_blocks,
                 placement=self.stager,
                 size=dep.config.size,
+                draft_placement=self.draft_stager,
             )
         proposer = self.runner.proposer
         self.scheduler = Scheduler(
@@ -170,24 +207,40 @@ class EngineCore:
 
     def step(self) -> list[StepOutput]:
         if self.lockstep is None:  # single rank: a ready placement is switched in before scheduling
-            ready = self.stager.ready_version()
-            if ready:
-                self.stager.switch_to(ready)
+            for expert_model in self.expert_models.values():
+                ready = expert_model.stager.ready_version()
+                if ready:
+                    expert_model.stager.switch_to(ready)
         output = self.scheduler.schedule()
         if self.lockstep is not None:  # DEP: DP sync, then the batch, a dummy forward or nothing
             pending = self.scheduler.num_running + len(self.scheduler.waiting)
             sampled = self.lockstep.execute(output, self.scheduler.requests, pending)
+            if self.spec_counter is not None:
+                self._count_spec(sampled.values(), self.spec_counter)
         elif self.spec_counter is not None:
             return self._spec_step(output, self.spec_counter)
         else:
             sampled = self.runner.execute(output, self.scheduler.requests)
         return self.scheduler.update_from_output(output, sampled)
 
+    @property
+    def draft_stager(self) -> PlacementStager | None:
+        """The draft model's placement stager (None without a draft model with MoE layers)."""
+        draft = self.expert_models.get(DRAFT)
+        return draft.stager if draft is not None else None
+
     def _spec_step(self, output: SchedulerOutput, counter: SpecDecodeCounter) -> list[StepOutput]:
         verified: dict[str, SpecTokens] = self.runner.execute_spec(output, self.scheduler.requests)
-        for spec in verified.values():
-            counter.record(spec.num_draft_tokens, spec.num_accepted)
+        self._count_spec(verified.values(), counter)
         return self.scheduler.update_from_output(output, verified)
+
+    @staticmethod
+    def _count_spec(
+        results: Iterable[SampledToken | SpecTokens], counter: SpecDecodeCounter
+    ) -> None:
+        for spec in results:
+            if isinstance(spec, SpecTokens):
+                counter.record(spec.num_draft_tokens, spec.num_accepted)
 
     def spec_decode_stats(self) -> SpecDecodeStats | None:
         """Draft acceptance since start (`SpecDecodeStats`); None with speculation off."""
@@ -214,33 +267,39 @@ class EngineCore:
         seconds)."""
         return self.stager.last_stats
 
-    def stage_placement(self, version: int, physical_to_logical: Sequence[Sequence[int]]) -> bool:
-        """Stage `physical_to_logical` ([L][P], one row per decoder MoE layer) as `version` in a
-        background thread and return at once; False if the version is not newer than the
-        running/staged/staging one or the shape does not fit. `step()` switches to it (module
-        docstring)."""
-        return self.stager.request(version, physical_to_logical)
+    def stage_placement(
+        self,
+        version: int,
+        physical_to_logical: Sequence[Sequence[int]],
+        model: str = TARGET,
+    ) -> bool:
+        """Stage `physical_to_logical` ([L][P], one row per decoder MoE layer of `model`: "target"
+        or "draft", see `expert_models`) as `version` in a background thread and return at once;
+        False if the version is not newer than the running/staged/staging one or the shape does
+        not fit. `step()` switches to it (module docstring)."""
+        return self.expert_models[model].stager.request(version, physical_to_logical)
 
-    def expert_load_steps(self) -> tuple[int, int]:
+    def expert_load_steps(self, model: str = TARGET) -> tuple[int, int]:
         """(forward steps recorded since start, that count when the running placement was switched
-        in)."""
-        recorder = self.runner.expert_load
-        return (recorder.step, recorder.restart_step) if recorder is not None else (0, 0)
+        in) of `model`'s load ring."""
+        return self.expert_models[model].load_steps()
 
     @property
     def bytes_per_expert(self) -> int:
         """Bytes of one routed expert's weights (w13 + w2 of one slot); 0 without MoE layers."""
-        moe = self.runner.model.moe_layers
-        return int(moe[0].w13[0].nbytes + moe[0].w2[0].nbytes) if moe else 0
+        return self.expert_models[TARGET].bytes_per_expert
 
-    def expert_load_window(self) -> tuple[int, int, list[list[int]]]:
+    def expert_load_window(self, model: str = TARGET) -> tuple[int, int, list[list[int]]]:
         """(steps recorded since the last switch, capped at the window; the window; [L][P] tokens
-        per slot routed by this rank over those steps), with one host sync for all layers."""
-        recorder = self.runner.expert_load
-        if recorder is None:
-            return 0, self.config.expert_load_window, []
-        counts: list[list[int]] = recorder.window_totals().tolist()
-        return min(recorder.steps_since_restart, recorder.window), recorder.window, counts
+        per slot routed by this rank over those steps) of `model` ("target", or "draft": the
+        speculative draft model's own ring), with one host sync for all layers."""
+        return self.expert_models[model].load_window()
+
+    @property
+    def draft_expert_load(self) -> ExpertLoadRecorder | None:
+        """The draft model's own expert load ring (None: no draft model, or one without MoE)."""
+        draft = self.expert_models.get(DRAFT)
+        return draft.expert_load if draft is not None else None
 
     def finish(self, request_id: str, stop_reason: str) -> None:
         """End a request that met a stop string (found by the detokenizing front end)."""

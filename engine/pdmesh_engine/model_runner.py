@@ -15,12 +15,14 @@ Speculative decoding (`EngineConfig.speculative_method`): `execute_spec` replace
 `SpecDecoder` (pdmesh_engine.spec_runner) verifies the scheduled drafts with this runner's model and
 proposes the next ones with a proposer (pdmesh_engine.spec_proposer) whose KV cache is a second
 tensor addressed by the same block ids. Its seeded requests draw a different (but reproducible)
-stream than `execute` does.
+stream than `execute` does. A draft model with MoE layers records its expert loads in a ring of its
+own (`Proposer.expert_load`, the same window as the target's).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,11 +140,14 @@ class ModelRunner:
         config: EngineConfig,
         model: DeepseekV3ForCausalLM | None = None,
         model_kwargs: dict[str, Any] | None = None,
+        draft_model_kwargs: Callable[[ModelConfig], dict[str, Any]] | None = None,
     ) -> None:
         """`model_kwargs` go to `DeepseekV3ForCausalLM` (DEP: placements, this rank's slots, the
-        dispatcher)."""
+        dispatcher); `draft_model_kwargs(draft config)` those of a speculative draft model (DEP:
+        its own placement on the same dispatcher)."""
         self.config, self.model_config = config, model_config
         self.model_kwargs = model_kwargs or {}
+        self.draft_model_kwargs = draft_model_kwargs
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
@@ -177,9 +182,17 @@ class ModelRunner:
         )
 
     def expert_weight_bytes(self) -> int:
-        """Bytes of the routed experts' weights held here (w13 + w2 of every MoE layer, MTP
-        included)."""
-        return sum(m.w13.nbytes + m.w2.nbytes for m in self.model.modules() if isinstance(m, MoE))
+        """Bytes of the routed experts' weights held here (w13 + w2 of every MoE layer, MTP and a
+        draft model's included)."""
+        models = [self.model]
+        if isinstance(self.proposer, DraftModelProposer):
+            models.append(self.proposer.model)
+        return sum(
+            m.w13.nbytes + m.w2.nbytes
+            for model in models
+            for m in model.modules()
+            if isinstance(m, MoE)
+        )
 
     def dispatch_stats(self) -> Any:
         """The MoE dispatcher's per-phase timings (DEP: a `DispatchStats`), None for in-process
@@ -202,8 +215,15 @@ class ModelRunner:
         draft_dir = Path(self.config.draft_model or "")
         draft_config = ModelConfig.from_dir(draft_dir)
         check_draft(model_dir, self.model_config, draft_dir, draft_config)
-        draft = load_model(draft_dir, draft_config, self.device, self.dtype, load_mtp=False)
-        return DraftModelProposer(draft, k, self.dtype, self.device)
+        kwargs = self.draft_model_kwargs(draft_config) if self.draft_model_kwargs else None
+        draft = load_model(draft_dir, draft_config, self.device, self.dtype, kwargs, load_mtp=False)
+        proposer = DraftModelProposer(draft, k, self.dtype, self.device)
+        moe = draft.moe_layers
+        if moe:
+            proposer.expert_load = ExpertLoadRecorder(
+                len(moe), moe[0].placement.num_physical, self.config.expert_load_window, self.device
+            )
+        return proposer
 
     @torch.inference_mode()
     def execute(

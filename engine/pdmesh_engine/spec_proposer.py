@@ -21,6 +21,20 @@ emitted, `next_token`); row `last_row` of the target's forward is position q - 1
   emitted token at q, and each draft in turn: draft j + 1 from the pass at q + j. Writes up to
   q + K - 1.
 
+Lockstep (DEP, pdmesh_engine.parallel.dep): every proposer pass crosses the MoE all-to-all, so every
+rank runs the same number of passes per step, `num_passes` (a function of K and the method only):
+MTP its first pass over the step's rows + K - 1 single-token passes, the draft model its pass over
+the step's rows + K single-token passes. With `lockstep_scratch` set, a step whose requests stop
+drafting early (their `limits`), or that has none drafting, pads with DUMMY passes (1 token at
+position 0 into the scratch block, no expert load), and a rank without work runs `dummy_step`.
+Passes of one method run the same MoE layers in the same order, so padding at the end of a step
+keeps every rank's collective sequence aligned.
+
+Expert load: the draft model's MoE layers record the tokens routed to their slots in the
+proposer's own `ExpertLoadRecorder` (`expert_load`; one row per engine step, an empty row for a
+dummy step), apart from the target's ring, so EPLB can balance the two models separately. The MTP
+layer records none.
+
 Legend: T tokens of the step, B proposing requests, V vocabulary, D hidden size.
 """
 
@@ -36,6 +50,7 @@ import torch
 from pdmesh_engine.config import ModelConfig
 from pdmesh_engine.forward_batch import ForwardBatch
 from pdmesh_engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+from pdmesh_engine.model.moe import ExpertLoadRecorder
 
 # (logits [B', V] of the proposing requests `seq_indices`, draft index j) -> one token id each
 ChooseFn = Callable[[torch.Tensor, list[int], int], list[int]]
@@ -81,6 +96,29 @@ class Proposer(ABC):
     def __init__(self, k: int, dtype: torch.dtype, device: torch.device) -> None:
         self.k, self.dtype, self.device = k, dtype, device
         self.kv_caches = torch.empty(0, dtype=dtype, device=device)
+        # DEP: the block a dummy pass writes into (set by the engine); None: no padding
+        self.lockstep_scratch: int | None = None
+        self.expert_load: ExpertLoadRecorder | None = None  # its own MoE layers' loads, if any
+
+    @property
+    @abstractmethod
+    def num_passes(self) -> int:
+        """Forward passes per step under lockstep (module docstring)."""
+
+    @abstractmethod
+    def _dummy_pass(self, batch: ForwardBatch) -> None:
+        """One pass of `batch` (one token into the scratch block) that records no expert load."""
+
+    @abstractmethod
+    def _propose(
+        self,
+        batch: ForwardBatch,
+        hidden: torch.Tensor,
+        next_ids: torch.Tensor,
+        seqs: list[ProposeSeq],
+        choose: ChooseFn,
+    ) -> tuple[list[list[int]], int]:
+        """(each seq's drafts, forward passes run)."""
 
     @property
     @abstractmethod
@@ -99,7 +137,6 @@ class Proposer(ABC):
             (layers, num_blocks, block_size, width), dtype=self.dtype, device=self.device
         )
 
-    @abstractmethod
     def propose(
         self,
         batch: ForwardBatch,
@@ -109,7 +146,32 @@ class Proposer(ABC):
         choose: ChooseFn,
     ) -> list[list[int]]:
         """Write its KV for the batch's positions and return each seq's drafts (at most K, fewer
-        where `max_position` leaves no room)."""
+        where `max_position` leaves no room). Under lockstep the step's passes are padded to
+        `num_passes` with dummy passes."""
+        drafts, passes = self._propose(batch, hidden, next_ids, seqs, choose)
+        if self.lockstep_scratch is not None:
+            self._dummy_passes(self.num_passes - passes)
+        if self.expert_load is not None:
+            self.expert_load.end_step()
+        return drafts
+
+    def dummy_step(self) -> None:
+        """A lockstep step without work on this rank: `num_passes` dummy passes, an empty load
+        row."""
+        self._dummy_passes(self.num_passes)
+        if self.expert_load is not None:
+            self.expert_load.end_step()
+
+    def _dummy_passes(self, count: int) -> None:
+        if count <= 0:
+            return
+        if self.lockstep_scratch is None:
+            raise RuntimeError("dummy proposer passes need lockstep_scratch (a DEP engine)")
+        batch = ForwardBatch.build(
+            [[0]], [0], [[self.lockstep_scratch]], self.kv_caches.shape[2], [False], self.device
+        )
+        for _ in range(count):
+            self._dummy_pass(batch)
 
     def _single_tokens(
         self, token_ids: list[int], positions: list[int], seqs: list[ProposeSeq]
@@ -143,17 +205,26 @@ class MTPProposer(Proposer):
     def kv_shape(self) -> tuple[int, int]:
         return 1, self.model.config.kv_cache_dim
 
-    def propose(
+    @property
+    def num_passes(self) -> int:
+        return self.k
+
+    def _dummy_pass(self, batch: ForwardBatch) -> None:
+        hidden = torch.zeros(1, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
+        self.model.forward_mtp(batch.input_ids, hidden, batch, self.kv_caches)
+
+    def _propose(
         self,
         batch: ForwardBatch,
         hidden: torch.Tensor,
         next_ids: torch.Tensor,
         seqs: list[ProposeSeq],
         choose: ChooseFn,
-    ) -> list[list[int]]:
+    ) -> tuple[list[list[int]], int]:
         x = self.model.forward_mtp(next_ids, hidden, batch, self.kv_caches)  # [T, D]
+        passes = 1
         if not seqs:
-            return []
+            return [], passes
         rows = torch.tensor([s.last_row for s in seqs], device=x.device)
         x = x.index_select(0, rows)  # [B, D], row b: seqs[b]
         active = list(range(len(seqs)))
@@ -171,11 +242,12 @@ class MTPProposer(Proposer):
                 [drafts[b][-1] for b in active], [s.position + j - 1 for s in sub], sub
             )
             x = self.model.forward_mtp(step.input_ids, x, step, self.kv_caches)
+            passes += 1
             for b, token in zip(
                 active, choose(self.model.compute_mtp_logits(x), active, j), strict=True
             ):
                 drafts[b].append(token)
-        return drafts
+        return drafts, passes
 
 
 class DraftModelProposer(Proposer):
@@ -192,15 +264,24 @@ class DraftModelProposer(Proposer):
     def kv_shape(self) -> tuple[int, int]:
         return self.model.config.num_hidden_layers, self.model.config.kv_cache_dim
 
-    def propose(
+    @property
+    def num_passes(self) -> int:
+        return self.k + 1
+
+    def _dummy_pass(self, batch: ForwardBatch) -> None:
+        self.model(batch, self.kv_caches)
+
+    def _propose(
         self,
         batch: ForwardBatch,
         hidden: torch.Tensor,
         next_ids: torch.Tensor,
         seqs: list[ProposeSeq],
         choose: ChooseFn,
-    ) -> list[list[int]]:
-        self.model(batch, self.kv_caches)  # its KV at the step's positions; the output is unused
+    ) -> tuple[list[list[int]], int]:
+        # its KV at the step's positions; the output is unused
+        self.model(batch, self.kv_caches, self.expert_load)
+        passes = 1
         drafts: list[list[int]] = [[] for _ in seqs]
         limits = [min(self.k, s.max_position - s.position + 1) for s in seqs]
         feed = [s.next_token for s in seqs]
@@ -212,8 +293,9 @@ class DraftModelProposer(Proposer):
             step = self._single_tokens(
                 [feed[b] for b in active], [s.position + j for s in sub], sub
             )
-            logits = self.model.compute_logits(self.model(step, self.kv_caches))
+            logits = self.model.compute_logits(self.model(step, self.kv_caches, self.expert_load))
+            passes += 1
             for b, token in zip(active, choose(logits, active, j), strict=True):
                 drafts[b].append(token)
                 feed[b] = token
-        return drafts
+        return drafts, passes

@@ -19,7 +19,6 @@ from pdmesh_service.supervision import RestartPolicy
 from pdmesh_service.worker.engine_options import (
     add_engine_options,
     add_speculative_options,
-    check_single_rank_speculation,
     engine_argv,
     worker_engine_config,
 )
@@ -142,11 +141,7 @@ def gateway_argv(args: argparse.Namespace) -> tuple[str, ...]:
 def run(args: argparse.Namespace) -> int:
     from pdmesh.launcher import Mesh, MeshOptions
 
-    # checked before anything starts: a worker would fail on it only once the mesh is up
-    check_single_rank_speculation(
-        worker_engine_config(args),
-        {"--prefill-dep": args.prefill_dep, "--decode-dep": args.decode_dep},
-    )
+    worker_engine_config(args)  # bad engine or speculation flags fail here, before anything starts
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pdmesh-logs-"))
     options = MeshOptions(
         model_dir=resolve_model(args.model),

@@ -1,6 +1,6 @@
 """Speculative decoding across the mesh: real processes, Redis, NIXL and gRPC, the tiny model.
 
-Three meshes, one after the other (class-scoped):
+Four meshes, one after the other (class-scoped):
 - disaggregated, MTP, K = 2: greedy outputs (openai SDK, plain, streamed, with a stop string) equal
   the offline engine with speculation off; the hand-off moves the blocks of both pools, to the byte;
   the decode worker exports the speculation series; aborts leave no block behind; a prefill rank
@@ -10,7 +10,11 @@ Three meshes, one after the other (class-scoped):
   hand-off (the proposer's KV arrived with it); a short prompt takes the gateway's local-prefill
   path on the decode rank; steps of up to 4 tokens stream and stop exactly like speculation off;
 - aggregated, started by the `pdmesh up` command, `tiny-draft` as the draft model, K = 1: greedy
-  outputs equal speculation off.
+  outputs equal speculation off;
+- disaggregated with a DEP2 prefill and a DEP2 decode instance, `tiny-draft` as the draft model
+  (its experts split over the ranks), K = 2: greedy outputs (concurrent, streamed) equal
+  speculation off, both decode ranks speculated, and the draft KV the prefill ranks sent is what
+  the decode ranks received.
 Engine-level coverage of every K and method is in tests/engine/transfer/test_spec_handoff.py.
 """
 
@@ -23,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -421,26 +426,67 @@ class TestAggDraftModelThroughUp:
         assert serving["num_speculative_tokens"] == 1
 
 
-def test_up_refuses_speculation_under_dep(tiny_model: Path) -> None:
-    """`pdmesh up --decode-dep 2` with speculation fails at once with the reason, starting
-    nothing."""
+def test_up_refuses_bad_speculation_flags_before_starting(tiny_model: Path) -> None:
+    """`pdmesh up --num-speculative-tokens 2` without a method fails at once with the reason,
+    starting nothing."""
     done = subprocess.run(
         [
             sys.executable,
-            "-m",
-            "pdmesh.cli.main",
-            "up",
-            "--model",
-            str(tiny_model),
-            "--decode-dep",
-            "2",
-            "--speculative-method",
-            "mtp",
+            *("-m", "pdmesh.cli.main", "up", "--model", str(tiny_model)),
+            *("--decode-dep", "2", "--num-speculative-tokens", "2"),
         ],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert done.returncode != 0
-    assert "speculative decoding runs on a single-rank engine, not under DEP" in done.stderr
-    assert "--decode-dep 2" in done.stderr and "pdmesh up: model" not in done.stderr
+    assert "needs a speculative_method" in done.stderr
+    assert "pdmesh up: model" not in done.stderr
+
+
+@pytest.fixture(scope="class")
+def dep_draft_mesh(models, tmp_path_factory):
+    spec = (
+        *("--speculative-method", "draft_model", "--num-speculative-tokens", "2"),
+        *("--draft-model", str(models["draft"])),
+    )
+    log_dir = tmp_path_factory.mktemp("logs-spec-dep")
+    mesh = _start(models, log_dir, "disagg", spec, prefill_dep=2, decode_dep=2)
+    yield mesh
+    mesh.stop()
+
+
+def _rank_series(mesh: Mesh, role: str, family: str) -> dict[int, float]:
+    """{rank: the sum of `family`'s samples} over the two ranks of the DEP instance `role`-0."""
+    [spec] = [s for s in mesh.specs if s.role == role]
+    assert spec.metrics_port is not None and len(spec.addresses) == 2
+    found = {}
+    for rank in range(2):
+        instance = f"{role}-0-r{rank}"
+        url = f"http://{mesh.options.host}:{spec.metrics_port + rank}/metrics"
+        found[rank] = sum(_series(httpx.get(url, timeout=10).text, family, instance).values())
+    return found
+
+
+class TestDEP2DraftModel:
+    """`pdmesh up --prefill-dep 2 --decode-dep 2` with the tiny-draft model, K = 2 (its launcher):
+    every rank of both instances drafts in lockstep, the draft's experts split over the ranks."""
+
+    def test_greedy_outputs_equal_speculation_off_on_every_rank(self, dep_draft_mesh, offline):
+        mesh = dep_draft_mesh
+        plain, _, _ = offline
+        with ThreadPoolExecutor(2 * len(PROMPTS)) as pool:  # concurrent: every rank gets requests
+            outs = list(pool.map(lambda p: _complete(mesh, p), PROMPTS * 2))
+        assert outs == [(ref.text, "length", MAX_TOKENS) for ref in plain * 2]
+        _check_outputs(mesh, offline, stream=True)
+        worker_status(mesh, "decode")  # brings every rank's series up to date
+        drafted = _rank_series(mesh, "decode", "pdmesh_spec_decode_draft_tokens_total")
+        assert all(n > 0 for n in drafted.values()), drafted  # both decode ranks speculated
+        steps = _rank_series(mesh, "decode", "pdmesh_spec_decode_verify_steps_total")
+        emitted = _rank_series(mesh, "decode", "pdmesh_spec_decode_emitted_tokens_total")
+        assert all(steps[r] <= emitted[r] <= 3 * steps[r] for r in steps), (steps, emitted)
+        # the prompts' draft KV came from the prefill ranks, in the hand-offs' WRITEs
+        sent = _rank_series(mesh, "prefill", "pdmesh_kv_transfer_draft_bytes_total")
+        received = _rank_series(mesh, "decode", "pdmesh_kv_received_draft_bytes_total")
+        assert sum(sent.values()) == sum(received.values()) > 0
+        _assert_no_leaks(mesh)

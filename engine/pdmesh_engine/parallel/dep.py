@@ -12,6 +12,13 @@ passes:
         -> this rank has no work:   DUMMY forward (1 token into the reserved scratch block)
         -> else:                    the real batch
 
+Speculative decoding: a speculating rank runs, after the target's forward (real or dummy), the
+proposer's `num_passes` passes (MTP: K; draft model: K + 1; pdmesh_engine.spec_proposer), padded
+with dummy passes where its requests draft less or it has none, so the step's collective sequence
+is the same on every rank; no collective is added (the count is a function of K and the method).
+The draft model's MoE runs on the same dispatcher with its own placement (`draft_model_kwargs`:
+its routed experts split across the ranks like the target's).
+
 `stop`: a rank that calls `LockstepStepper.request_stop()` makes every rank's record of that step
 say `stop` (after its forward, if any), so a serving instance's ranks leave the collective sequence
 at the same step.
@@ -21,7 +28,9 @@ placement version this rank has staged and ready (0, 0, 0 when none). Every rank
 this step, before its forward, iff sum(is_staged) == size and size * sum(V*V) == sum(V)**2 (all
 ranks hold the same V: the variance of the V's is zero); V = sum(V) / size. The rule is a function
 of the sums only, so every rank takes the same decision in the same step; no collective is added.
-Versions stay far below 2**28.
+Versions stay far below 2**28. A speculating rank's draft model has placements of its own: its
+[is_staged, V, V*V] follow the target's in the same all-reduce and the same rule decides its switch
+(`LockstepRecord.draft_switched_to`).
 
 The rendezvous (a TCPStore on rank 0) listens on `master_addr` only. Gloo's pair sockets use the
 network interface `DEPConfig.gloo_interface` (by default: the loopback interface for a loopback
@@ -39,6 +48,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
@@ -55,7 +65,7 @@ from pdmesh_engine.parallel.dispatch import DISPATCHERS, DispatchStats, make_dis
 if TYPE_CHECKING:
     from pdmesh_engine.model_runner import ModelRunner
     from pdmesh_engine.request import Request
-    from pdmesh_engine.scheduler import SampledToken, SchedulerOutput
+    from pdmesh_engine.scheduler import SampledToken, SchedulerOutput, SpecTokens
 
 # gloo_interface: the loopback interface for a loopback master, else gloo's default
 AUTO_INTERFACE = "auto"
@@ -146,11 +156,14 @@ class DEPContext:
     def dispatch_stats(self) -> DispatchStats | None:
         return getattr(self.dispatcher, "stats", None)
 
-    def model_kwargs(self, model_config: ModelConfig) -> dict[str, Any]:
+    def model_kwargs(
+        self, model_config: ModelConfig, num_redundant: int | None = None
+    ) -> dict[str, Any]:
         """Keyword arguments of `DeepseekV3ForCausalLM`: the initial placement, this rank's slots,
-        the dispatcher."""
+        the dispatcher. `num_redundant`: redundant slots per MoE layer (default: the config's)."""
         num_moe = len(model_config.moe_layer_ids)
-        experts, redundant = model_config.n_routed_experts, self.config.num_redundant_experts
+        experts = model_config.n_routed_experts
+        redundant = self.config.num_redundant_experts if num_redundant is None else num_redundant
         slots = (
             slots_of_rank(experts, redundant, self.config.size, self.config.rank)
             if num_moe
@@ -162,6 +175,12 @@ class DEPContext:
             local_slots=[slots] * num_moe,
             dispatcher=self.dispatcher,
         )
+
+    def draft_model_kwargs(self, draft_config: ModelConfig) -> dict[str, Any]:
+        """`model_kwargs` of a speculative draft model: its own placement on the same dispatcher,
+        each rank holding 1/size of its slots; redundant slots only to pad its experts to a
+        multiple of the ranks (`num_redundant_experts` is the target's)."""
+        return self.model_kwargs(draft_config, -draft_config.n_routed_experts % self.config.size)
 
 
 def init_dep(config: DEPConfig) -> DEPContext:
@@ -255,7 +274,7 @@ def shutdown_dep() -> None:
 @torch.inference_mode()
 def dummy_forward(runner: ModelRunner, scratch_block: int) -> None:
     """One token at position 0 into `scratch_block`: joins the MoE collectives, records no expert
-    load."""
+    load; a speculating runner's proposer then runs its dummy passes (module docstring)."""
     batch = ForwardBatch.build(
         [[0]], [0], [[scratch_block]], runner.config.block_size, [False], runner.device
     )
@@ -263,6 +282,8 @@ def dummy_forward(runner: ModelRunner, scratch_block: int) -> None:
     runner.model(batch, runner.kv_caches, expert_load=None)
     if runner.expert_load is not None:
         runner.expert_load.end_step()  # an empty row keeps every rank's ring aligned by global step
+    if runner.proposer is not None:
+        runner.proposer.dummy_step()
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,6 +299,7 @@ class LockstepRecord:
     # some rank asked to stop: every rank leaves the step sequence after this one
     stop: bool = False
     switched_to: int = 0  # the placement version every rank switched to before this step's forward
+    draft_switched_to: int = 0  # the same for the draft model's placement
 
 
 @dataclass
@@ -318,7 +340,8 @@ class LockstepStepper:
     """The DEP step after scheduling: DP sync, then the real batch, a dummy forward, or nothing.
 
     With `placement`, a staged placement version is switched in at the step where every one of the
-    `size` ranks has it ready (module docstring); `LockstepRecord.switched_to` says when.
+    `size` ranks has it ready (module docstring); `LockstepRecord.switched_to` says when. The same
+    for `draft_placement` (a speculating draft model's), `LockstepRecord.draft_switched_to`.
     """
 
     def __init__(
@@ -328,9 +351,11 @@ class LockstepStepper:
         scratch_block: int,
         placement: PlacementSwitch | None = None,
         size: int = 1,
+        draft_placement: PlacementSwitch | None = None,
     ) -> None:
         self.dp_sync, self.runner, self.scratch_block = dp_sync, runner, scratch_block
         self.placement, self.size = placement, size
+        self.draft_placement = draft_placement
         self.counters = LockstepCounters()
         self.last: LockstepRecord | None = None
         self.stop_requested = False
@@ -341,32 +366,35 @@ class LockstepStepper:
 
     def execute(
         self, output: SchedulerOutput, requests: dict[str, Request], num_unfinished: int
-    ) -> dict[str, SampledToken]:
-        """Every rank calls this once per step, whatever it scheduled (collective)."""
+    ) -> Mapping[str, SampledToken | SpecTokens]:
+        """Every rank calls this once per step, whatever it scheduled (collective). A speculating
+        runner's real step is `ModelRunner.execute_spec` (`SpecTokens` per request)."""
         start = time.perf_counter()
-        ready = self.placement.ready_version() if self.placement is not None else 0
+        switches = (self.placement, self.draft_placement)
+        readies = [switch.ready_version() if switch is not None else 0 for switch in switches]
         local = torch.tensor(
             [
                 int(not output.is_empty),
                 output.num_tokens,
                 num_unfinished,
                 int(self.stop_requested),
-                int(ready > 0),
-                ready,
-                ready * ready,
+                *(x for ready in readies for x in (int(ready > 0), ready, ready * ready)),
             ],
             dtype=torch.int64,
         )
         self.dp_sync.all_reduce(local)
-        ranks_with_work, num_tokens, unfinished, stops, num_staged, version_sum, square_sum = (
-            local.tolist()
-        )
+        sums = local.tolist()
+        ranks_with_work, num_tokens, unfinished, stops = sums[:4]
         counters = self.counters
         counters.sync_s += time.perf_counter() - start
         counters.steps += 1
-        switched_to = agreed_version(num_staged, version_sum, square_sum, self.size)
-        if switched_to and self.placement is not None:
-            self.placement.switch_to(switched_to)  # every rank, before this step's forward
+        switched = [
+            agreed_version(*sums[4 + 3 * i : 7 + 3 * i], self.size) for i in range(len(switches))
+        ]
+        for switch, version in zip(switches, switched, strict=True):
+            if version and switch is not None:
+                switch.switch_to(version)  # every rank, before this step's forward
+        switched_to, draft_switched_to = switched
         ran, dummy = ranks_with_work > 0, ranks_with_work > 0 and output.is_empty
         self.last = LockstepRecord(
             ranks_with_work,
@@ -377,6 +405,7 @@ class LockstepStepper:
             dummy,
             stops > 0,
             switched_to,
+            draft_switched_to,
         )
         if not ran:
             counters.idle += 1
@@ -388,6 +417,8 @@ class LockstepStepper:
             self.runner.end_requests(output.finished_ids)
             dummy_forward(self.runner, self.scratch_block)
             return {}
+        if self.runner.spec is not None:
+            return self.runner.execute_spec(output, requests)
         return self.runner.execute(output, requests)
 
     @property

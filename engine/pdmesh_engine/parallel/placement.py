@@ -386,6 +386,42 @@ class PlacementStager:
         return StagedLayer(moe, local_ids, w13, w2)
 
 
+@dataclass(frozen=True)
+class ExpertModel:
+    """One model whose routed experts EPLB balances on this rank (the target, or a speculative
+    draft model): its MoE layers' load ring and its placement stager."""
+
+    model: DeepseekV3ForCausalLM
+    expert_load: ExpertLoadRecorder | None
+    stager: PlacementStager
+    window: int  # the load ring's size in steps (the engine's `expert_load_window`)
+
+    @property
+    def num_logical(self) -> int:
+        return self.model.config.n_routed_experts
+
+    @property
+    def bytes_per_expert(self) -> int:
+        """Bytes of one routed expert's weights (w13 + w2 of one slot); 0 without MoE layers."""
+        moe = self.model.moe_layers
+        return int(moe[0].w13[0].nbytes + moe[0].w2[0].nbytes) if moe else 0
+
+    def load_steps(self) -> tuple[int, int]:
+        """(forward steps recorded since start, that count when the running placement was switched
+        in)."""
+        recorder = self.expert_load
+        return (recorder.step, recorder.restart_step) if recorder is not None else (0, 0)
+
+    def load_window(self) -> tuple[int, int, list[list[int]]]:
+        """(steps recorded since the last switch, capped at the window; the window; [L][P] tokens
+        per slot routed by this rank over those steps), with one host sync for all layers."""
+        recorder = self.expert_load
+        if recorder is None:
+            return 0, self.window, []
+        counts: list[list[int]] = recorder.window_totals().tolist()
+        return min(recorder.steps_since_restart, recorder.window), recorder.window, counts
+
+
 def _yield_to_the_forward() -> None:
     """Staging is background work: on Linux this thread takes a lower CPU priority than the step's
     threads, so on few cores it runs in their idle time instead of stretching the steps it

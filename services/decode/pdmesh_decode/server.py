@@ -25,7 +25,6 @@ from pdmesh_service.worker.dep_instance import (
 from pdmesh_service.worker.engine_options import (
     add_engine_options,
     add_speculative_options,
-    check_single_rank_speculation,
     resolve_model,
     worker_engine_config,
 )
@@ -76,8 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> DecodeConfig:
     dep = dep_from_args(args)
-    engine = worker_engine_config(args)
-    check_single_rank_speculation(engine, {"--dep": dep.size})
+    engine = worker_engine_config(args)  # DEP ranks speculate too (in lockstep)
     return DecodeConfig(
         rank_common(common_from_args(args), ROLE, dep),
         resolve_model(args.model),

@@ -22,7 +22,6 @@ from pdmesh_service.worker.dep_instance import (
 from pdmesh_service.worker.engine_options import (
     add_engine_options,
     add_speculative_options,
-    check_single_rank_speculation,
     resolve_model,
     worker_engine_config,
 )
@@ -55,7 +54,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> PrefillConfig:
     dep = dep_from_args(args)
     engine = worker_engine_config(args)
-    check_single_rank_speculation(engine, {"--dep": dep.size})
     return PrefillConfig(
         rank_common(common_from_args(args), ROLE, dep),
         resolve_model(args.model),

@@ -13,7 +13,6 @@ from pdmesh_engine.spec_decode import SpecDecodeCounter
 from pdmesh_service.worker.engine_options import (
     add_engine_options,
     add_speculative_options,
-    check_single_rank_speculation,
     engine_argv,
     worker_engine_config,
 )
@@ -61,12 +60,24 @@ def test_workers_get_the_speculation_flags_back(tmp_path: Path) -> None:
         worker_engine_config(parse("--num-speculative-tokens", "2"))
 
 
-def test_speculation_under_dep_is_refused_before_anything_starts() -> None:
-    on = worker_engine_config(parse("--speculative-method", "mtp"))
-    check_single_rank_speculation(on, {"--decode-dep": 1})
-    check_single_rank_speculation(worker_engine_config(parse()), {"--decode-dep": 4})
-    with pytest.raises(ValueError, match="single-rank engine, not under DEP.*--decode-dep 4"):
-        check_single_rank_speculation(on, {"--prefill-dep": 1, "--decode-dep": 4})
+def test_dep_instances_take_the_speculation_flags(tmp_path: Path) -> None:
+    """`pdmesh serve prefill|decode --dep N` and `pdmesh up --prefill-dep/--decode-dep N` take the
+    speculation flags (every rank drafts in lockstep)."""
+    from pdmesh.launcher import MeshOptions
+    from pdmesh_decode import server as decode_server
+    from pdmesh_prefill import server as prefill_server
+
+    spec = ("--speculative-method", "mtp", "--num-speculative-tokens", "2")
+    for server in (decode_server, prefill_server):
+        parser = argparse.ArgumentParser()
+        server.add_arguments(parser)
+        config = server.config_from_args(
+            parser.parse_args(["--model", str(tmp_path), "--dep", "2", *spec])
+        )
+        assert config.dep.size == 2 and config.engine.speculative_method == "mtp"
+        assert config.engine.num_speculative_tokens == 2
+    options = MeshOptions(tmp_path, prefill_dep=2, decode_dep=2, worker_args=spec)
+    assert options.dep("prefill") == options.dep("decode") == 2
 
 
 def test_the_spec_series_follow_the_engine_totals() -> None:

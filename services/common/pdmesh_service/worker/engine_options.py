@@ -165,17 +165,6 @@ def worker_engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def check_single_rank_speculation(config: EngineConfig, dep_sizes: dict[str, int]) -> None:
-    """ValueError when speculative decoding is asked of a DEP instance (`dep_sizes`: flag -> ranks
-    per instance), before any process starts: the engine speculates on a single rank only."""
-    multi = [f"{flag} {size}" for flag, size in dep_sizes.items() if size > 1]
-    if config.speculative_method and multi:
-        raise ValueError(
-            "speculative decoding runs on a single-rank engine, not under DEP: drop "
-            f"--speculative-method or {', '.join(multi)}"
-        )
-
-
 def resolve_model(model: Path | None) -> Path:
     """The --model directory; a worker needs one (`pdmesh serve` fills in the cached default
     model)."""

@@ -1,22 +1,24 @@
 """A DEP rank's side of EPLB: report expert loads to Redis, stage the placements the controller
 publishes.
 
-Every `report_s` seconds (one asyncio task per rank, started by `run_worker`):
+Every `report_s` seconds (one asyncio task per rank, started by `run_worker`), for each model of
+the engine whose experts are balanced (`EngineCore.expert_models`: "target", and "draft" for a
+speculative draft model with MoE layers):
 
     engine thread (EngineLoop.submit):  snapshot = versions, step counters, [L][P] load window
                                         (one host sync)
-    Redis:   publish_load(LoadReport(instance=<base id>, model="target", rank, dp_size, ...))
-    Redis:   read_placement(instance, "target")  -> version V
-    V > running and V > staged, shape fits:  engine thread: EngineCore.stage_placement(V, rows)
-                                              (returns at once; the engine switches at a step
-                                              boundary once every rank staged V, see
+    Redis:   publish_load(LoadReport(instance=<base id>, model, rank, dp_size, ...))
+    Redis:   read_placement(instance, model)  -> version V
+    V > running and V > staged, shape fits:  engine thread: EngineCore.stage_placement(V, rows,
+                                              model) (returns at once; the engine switches at a
+                                              step boundary once every rank staged V, see
                                               pdmesh_engine.parallel.dep)
 
 `instance` is the DEP instance's id without the `-r<rank>` suffix, so all its ranks report under one
 key. Redis errors are logged and retried at the next tick: decode goes on while Redis or the
-controller is down. Only the decoder's MoE layers ("target") are reported and staged; the MTP layers
-keep their placement. The placement versions are reported through the LoadReport only (the
-heartbeat's `Load` has no field for them).
+controller is down. The target's decoder MoE layers ("target") and the draft model's ("draft") are
+reported and staged as two models; the MTP layers keep their placement. The placement versions are
+reported through the LoadReport only (the heartbeat's `Load` has no field for them).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
 
-from pdmesh_engine.engine_core import EngineCore
+from pdmesh_engine.engine_core import TARGET, EngineCore
 from pdmesh_service.eplb_protocol import LoadReport, Placement, publish_load, read_placement
 from pdmesh_service.errors import Unavailable
 from pdmesh_service.logging import get_logger
@@ -39,7 +41,6 @@ if TYPE_CHECKING:
     from pdmesh_service.worker.engine_loop import EngineLoop
 
 log = get_logger(__name__)
-TARGET = "target"
 DEFAULT_REPORT_S = 1.0
 
 
@@ -94,26 +95,28 @@ def base_instance(instance_id: str, rank: int, dp_size: int) -> str:
     )
 
 
-def snapshot(engine: EngineCore) -> RankSnapshot:
-    """Engine thread: versions, step counters and the load window (one host sync for all layers)."""
-    window_steps, _, counts = engine.expert_load_window()
-    step, switch_step = engine.expert_load_steps()
+def snapshot(engine: EngineCore, model: str = TARGET) -> RankSnapshot:
+    """Engine thread: `model`'s versions, step counters and load window (one host sync for all
+    layers)."""
+    expert_model = engine.expert_models[model]
+    window_steps, _, counts = expert_model.load_window()
+    step, switch_step = expert_model.load_steps()
     return RankSnapshot(
         step,
         switch_step,
         window_steps,
-        engine.placement_version,
-        engine.staged_version,
+        expert_model.stager.running_version,
+        expert_model.stager.staged_version,
         counts,
-        engine.model_config.n_routed_experts,
-        engine.bytes_per_expert,
+        expert_model.num_logical,
+        expert_model.bytes_per_expert,
     )
 
 
-def load_report(config: EPLBAgentConfig, shot: RankSnapshot) -> LoadReport:
+def load_report(config: EPLBAgentConfig, shot: RankSnapshot, model: str = TARGET) -> LoadReport:
     return LoadReport(
         config.instance,
-        TARGET,
+        model,
         config.rank,
         config.dp_size,
         shot.step,
@@ -140,19 +143,30 @@ def wanted(placement: Placement | None, shot: RankSnapshot, dp_size: int) -> boo
     )
 
 
-async def tick(loop: EngineLoop, redis: aioredis.Redis, config: EPLBAgentConfig) -> TickResult:
-    """Report once, then stage the controller's placement if it is newer. Raises RedisError /
-    Unavailable."""
+async def tick(
+    loop: EngineLoop, redis: aioredis.Redis, config: EPLBAgentConfig
+) -> dict[str, TickResult]:
+    """Report once per balanced model, then stage the controller's placement of each where it is
+    newer; the outcome by model. Raises RedisError / Unavailable."""
+    return {
+        model: await tick_model(loop, redis, config, model) for model in loop.engine.expert_models
+    }
+
+
+async def tick_model(
+    loop: EngineLoop, redis: aioredis.Redis, config: EPLBAgentConfig, model: str = TARGET
+) -> TickResult:
+    """`tick` for one model ("target" or "draft")."""
     engine = loop.engine
-    shot: RankSnapshot = await loop.submit(snapshot, engine)
+    shot: RankSnapshot = await loop.submit(snapshot, engine, model)
     if not shot.slot_counts:  # no MoE layer: nothing to balance
         return TickResult(False, 0, False)
-    await publish_load(redis, config.deployment, load_report(config, shot))
-    placement = await read_placement(redis, config.deployment, config.instance, TARGET)
+    await publish_load(redis, config.deployment, load_report(config, shot, model))
+    placement = await read_placement(redis, config.deployment, config.instance, model)
     if placement is None or not wanted(placement, shot, config.dp_size):
         return TickResult(True, placement.version if placement is not None else 0, False)
     staged: bool = await loop.submit(
-        engine.stage_placement, placement.version, placement.physical_to_logical
+        engine.stage_placement, placement.version, placement.physical_to_logical, model
     )
     return TickResult(True, placement.version, staged)
 
