@@ -176,3 +176,16 @@ def reference_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Refe
         name: build_reference_model(name, kwargs, root / name, seed)
         for seed, (name, kwargs) in enumerate(REFERENCE_CONFIGS.items())
     }
+
+
+@pytest.fixture(scope="session")
+def spec_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A speculative-decoding pair: the random `tiny` target (with its MTP layer) and the random
+    `tiny-draft` draft model (its tokenizer, another MoE shape), both seed 0."""
+    from pdmesh.tools.model_init import init_model
+
+    root = tmp_path_factory.mktemp("spec-models")
+    return {
+        "tiny": init_model(root / "tiny", "tiny", seed=0, verbose=False),
+        "draft": init_model(root / "draft", "tiny-draft", seed=0, verbose=False),
+    }

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from pdmesh.cli.main import main as cli_main
-from pdmesh.tools.model_init import init_model
 from pdmesh_engine import LLM, EngineConfig, EngineCore, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -26,44 +25,36 @@ PROMPTS = [[(5 + 11 * i + 7 * k) % 1000 + 4 for i in range(n)] for k, n in enume
 PROMPTS.append(PROMPTS[2][:32] + [9, 10, 11, 12, 13])
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("spec")
-    return {
-        "tiny": init_model(root / "tiny", "tiny", seed=0, verbose=False),
-        "draft": init_model(root / "draft", "tiny-draft", seed=0, verbose=False),
-    }
-
-
-def spec(models: dict[str, Path], method: str, k: int) -> dict[str, object]:
+def spec(spec_models: dict[str, Path], method: str, k: int) -> dict[str, object]:
     """EngineConfig fields: "mtp", "draft" (tiny-draft) or "self" (the target drafts itself)."""
     if method == "mtp":
         return dict(speculative_method="mtp", num_speculative_tokens=k)
-    draft = models["draft" if method == "draft" else "tiny"]
+    draft = spec_models["draft" if method == "draft" else "tiny"]
     return dict(speculative_method="draft_model", num_speculative_tokens=k, draft_model=str(draft))
 
 
-def generate(models: dict[str, Path], prompts, params, **config) -> tuple[list, LLM]:
-    llm = LLM(models["tiny"], EngineConfig(**{**BASE, **config}))
+def generate(spec_models: dict[str, Path], prompts, params, **config) -> tuple[list, LLM]:
+    llm = LLM(spec_models["tiny"], EngineConfig(**{**BASE, **config}))
     outputs = llm.generate(prompts, params)
     llm.engine.check_integrity()
     return outputs, llm
 
 
 @pytest.fixture(scope="module")
-def reference(models: dict[str, Path]) -> list[list[int]]:
+def reference(spec_models: dict[str, Path]) -> list[list[int]]:
     """Greedy tokens with speculation off, chunked prefill (budget 24), run twice (prefix hits)."""
-    outputs, _ = generate(models, PROMPTS, GREEDY, max_num_batched_tokens=24)
+    outputs, _ = generate(spec_models, PROMPTS, GREEDY, max_num_batched_tokens=24)
     return [o.token_ids for o in outputs]
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("method", ["mtp", "draft", "self"])
 def test_greedy_output_equals_speculation_off(
-    models: dict[str, Path], reference: list[list[int]], method: str, k: int
+    spec_models: dict[str, Path], reference: list[list[int]], method: str, k: int
 ) -> None:
     llm = LLM(
-        models["tiny"], EngineConfig(**BASE, max_num_batched_tokens=24, **spec(models, method, k))
+        spec_models["tiny"],
+        EngineConfig(**BASE, max_num_batched_tokens=24, **spec(spec_models, method, k)),
     )
     for _ in range(2):  # the second round hits the prefix cache
         outputs = llm.generate(PROMPTS, GREEDY)
@@ -84,21 +75,23 @@ def test_greedy_output_equals_speculation_off(
 
 @pytest.mark.parametrize("method", ["mtp", "self"])
 def test_greedy_output_with_preemption_equals_speculation_off(
-    models: dict[str, Path], method: str
+    spec_models: dict[str, Path], method: str
 ) -> None:
     """8 blocks of 16 for 4 requests growing to ~70 tokens: requests are preempted and
     recomputed."""
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     small = dict(num_blocks=8, max_num_batched_tokens=16)
-    off, _ = generate(models, PROMPTS, params, **small)
-    on, llm = generate(models, PROMPTS, params, **small, **spec(models, method, 3))
+    off, _ = generate(spec_models, PROMPTS, params, **small)
+    on, llm = generate(spec_models, PROMPTS, params, **small, **spec(spec_models, method, 3))
     assert [o.token_ids for o in on] == [o.token_ids for o in off]
     assert llm.engine.kv_stats().num_used == 0
 
 
-def test_acceptance_is_complete_with_the_target_as_its_own_draft(models: dict[str, Path]) -> None:
+def test_acceptance_is_complete_with_the_target_as_its_own_draft(
+    spec_models: dict[str, Path],
+) -> None:
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    outputs, llm = generate(models, PROMPTS[:2], params, **spec(models, "self", 4))
+    outputs, llm = generate(spec_models, PROMPTS[:2], params, **spec(spec_models, "self", 4))
     stats = llm.engine.spec_decode_stats()
     assert stats is not None and stats.acceptance_rate == 1.0
     assert stats.acceptance_rate_per_position == (1.0, 1.0, 1.0, 1.0)
@@ -110,15 +103,15 @@ def test_acceptance_is_complete_with_the_target_as_its_own_draft(models: dict[st
 
 @pytest.mark.parametrize(("method", "warm"), [("mtp", False), ("draft", False), ("mtp", True)])
 def test_drafts_equal_the_proposer_run_from_scratch(
-    models: dict[str, Path], method: str, warm: bool
+    spec_models: dict[str, Path], method: str, warm: bool
 ) -> None:
     """After every step the request's drafts equal those a fresh engine proposes from a prefill of
     the same tokens: the proposer's own KV (written over verify rows, rewritten after rejections,
     recursion positions) stays right. `warm`: the request's first 32 tokens are in the prefix
     cache, computed by a request that continued differently (MTP's entry at a block's last
     position depends on the next token: the last hit block is recomputed)."""
-    config = EngineConfig(**BASE, **spec(models, method, 3))
-    engine = EngineCore(models["tiny"], config)
+    config = EngineConfig(**BASE, **spec(spec_models, method, 3))
+    engine = EngineCore(spec_models["tiny"], config)
     prompt = PROMPTS[1]
     if warm:
         engine.add_request(PROMPTS[2], SamplingParams(max_tokens=2, temperature=0.0))
@@ -134,7 +127,7 @@ def test_drafts_equal_the_proposer_run_from_scratch(
         request = engine.scheduler.requests.get(request_id)
         if request is None:
             break
-        fresh = EngineCore(models["tiny"], config)
+        fresh = EngineCore(spec_models["tiny"], config)
         fresh_id = fresh.add_request(
             request.all_token_ids[:-1],
             SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
@@ -149,7 +142,7 @@ def test_drafts_equal_the_proposer_run_from_scratch(
 
 
 def test_stop_strings_stop_tokens_and_logprobs_equal_speculation_off(
-    models: dict[str, Path],
+    spec_models: dict[str, Path],
 ) -> None:
     cases = [
         SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=["e"]),
@@ -158,14 +151,14 @@ def test_stop_strings_stop_tokens_and_logprobs_equal_speculation_off(
         SamplingParams(max_tokens=30, temperature=0.0, min_tokens=3),
     ]
     prompts = ["Hello world", "The sky is", "def f(x):", "a"]
-    off, _ = generate(models, prompts * len(cases), [c for c in cases for _ in prompts])
+    off, _ = generate(spec_models, prompts * len(cases), [c for c in cases for _ in prompts])
     stop_id = off[2 * len(prompts)].token_ids[3]  # the 4th token of a max_tokens=7 run
     for method in ("mtp", "self"):
         on, _ = generate(
-            models,
+            spec_models,
             prompts * len(cases),
             [c for c in cases for _ in prompts],
-            **spec(models, method, 3),
+            **spec(spec_models, method, 3),
         )
         for a, b in zip(on, off, strict=True):
             assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (
@@ -184,35 +177,37 @@ def test_stop_strings_stop_tokens_and_logprobs_equal_speculation_off(
     params = SamplingParams(
         max_tokens=30, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id]
     )
-    off2, _ = generate(models, prompts[:1], params)
-    on2, llm = generate(models, prompts[:1], params, **spec(models, "self", 4))
+    off2, _ = generate(spec_models, prompts[:1], params)
+    on2, llm = generate(spec_models, prompts[:1], params, **spec(spec_models, "self", 4))
     assert on2[0].token_ids == off2[0].token_ids and on2[0].stop_reason == stop_id
     assert len(on2[0].token_ids) <= 4 and on2[0].token_ids[-1] == stop_id
     stats = llm.engine.spec_decode_stats()
     assert stats is not None and stats.num_emitted_tokens > len(on2[0].token_ids) - 1
 
 
-def test_max_tokens_is_never_exceeded(models: dict[str, Path]) -> None:
+def test_max_tokens_is_never_exceeded(spec_models: dict[str, Path]) -> None:
     for max_tokens in (1, 2, 5, 6):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        off, _ = generate(models, PROMPTS, params)
-        on, _ = generate(models, PROMPTS, params, **spec(models, "self", 4))
+        off, _ = generate(spec_models, PROMPTS, params)
+        on, _ = generate(spec_models, PROMPTS, params, **spec(spec_models, "self", 4))
         assert [o.token_ids for o in on] == [o.token_ids for o in off]
         assert all(len(o.token_ids) == max_tokens for o in on)
 
 
-def test_context_end_is_respected(models: dict[str, Path]) -> None:
+def test_context_end_is_respected(spec_models: dict[str, Path]) -> None:
     """max_model_len 40: drafts are trimmed so no position reaches it."""
     params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
-    off, _ = generate(models, PROMPTS[:2], params, max_model_len=40)
-    on, _ = generate(models, PROMPTS[:2], params, max_model_len=40, **spec(models, "self", 4))
+    off, _ = generate(spec_models, PROMPTS[:2], params, max_model_len=40)
+    on, _ = generate(
+        spec_models, PROMPTS[:2], params, max_model_len=40, **spec(spec_models, "self", 4)
+    )
     assert [o.token_ids for o in on] == [o.token_ids for o in off]
     assert all(o.finish_reason == "length" for o in on)
 
 
 @pytest.mark.parametrize("method", ["mtp", "self"])
 def test_sampled_requests_are_reproducible_and_leave_no_blocks(
-    models: dict[str, Path], method: str
+    spec_models: dict[str, Path], method: str
 ) -> None:
     params = [
         SamplingParams(max_tokens=16, temperature=1.0, seed=3, ignore_eos=True),
@@ -221,7 +216,7 @@ def test_sampled_requests_are_reproducible_and_leave_no_blocks(
         ),
         SamplingParams(max_tokens=16, temperature=1.0, min_tokens=5, seed=5),
     ]
-    first, llm = generate(models, PROMPTS[:3], params, **spec(models, method, 3))
+    first, llm = generate(spec_models, PROMPTS[:3], params, **spec(spec_models, method, 3))
     second = llm.generate(PROMPTS[:3], params)
     assert [o.token_ids for o in first] == [o.token_ids for o in second]
     assert llm.engine.runner.spec.draft_probs  # the last finished is reported with the next step
@@ -232,9 +227,12 @@ def test_sampled_requests_are_reproducible_and_leave_no_blocks(
 
 
 @pytest.mark.parametrize("method", ["mtp", "self"])
-def test_aborts_mid_speculation_return_every_block(models: dict[str, Path], method: str) -> None:
+def test_aborts_mid_speculation_return_every_block(
+    spec_models: dict[str, Path], method: str
+) -> None:
     engine = EngineCore(
-        models["tiny"], EngineConfig(**{**BASE, "num_blocks": 12}, **spec(models, method, 3))
+        spec_models["tiny"],
+        EngineConfig(**{**BASE, "num_blocks": 12}, **spec(spec_models, method, 3)),
     )
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     sampled = SamplingParams(max_tokens=40, temperature=1.0, seed=1, ignore_eos=True)
@@ -260,7 +258,7 @@ def test_aborts_mid_speculation_return_every_block(models: dict[str, Path], meth
     assert not engine.runner.spec.draft_probs and not engine.runner.generators
 
 
-def test_configuration_errors_are_clear(models: dict[str, Path], tmp_path: Path) -> None:
+def test_configuration_errors_are_clear(spec_models: dict[str, Path], tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="needs draft_model"):
         EngineConfig(speculative_method="draft_model", num_speculative_tokens=2)
     with pytest.raises(ValueError, match=r"\[1, 8\]"):
@@ -271,25 +269,25 @@ def test_configuration_errors_are_clear(models: dict[str, Path], tmp_path: Path)
         EngineConfig(speculative_method="ngram", num_speculative_tokens=2)
     with pytest.raises(ValueError, match="MTP layer"):
         EngineCore(
-            models["draft"],
+            spec_models["draft"],
             EngineConfig(**BASE, speculative_method="mtp", num_speculative_tokens=1),
         )
     other = tmp_path / "other-vocab"
-    shutil.copytree(models["draft"], other)
+    shutil.copytree(spec_models["draft"], other)
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "vocab_size": 2048}))
     with pytest.raises(ValueError, match="vocab_size 2048"):
-        EngineCore(models["tiny"], EngineConfig(**BASE, **spec({"draft": other}, "draft", 2)))
+        EngineCore(spec_models["tiny"], EngineConfig(**BASE, **spec({"draft": other}, "draft", 2)))
 
 
 def test_cli_generate_with_speculation_matches_without(
-    models: dict[str, Path], capsys: pytest.CaptureFixture[str]
+    spec_models: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    common = ["generate", "--model", str(models["tiny"]), "--prompt", "The sky is", "--json"]
+    common = ["generate", "--model", str(spec_models["tiny"]), "--prompt", "The sky is", "--json"]
     common += ["--max-tokens", "12", "--ignore-eos", "--num-blocks", "64"]
     assert cli_main(common) == 0
     off = json.loads(capsys.readouterr().out)
-    flags = ["--speculative-method", "draft_model", "--draft-model", str(models["draft"])]
+    flags = ["--speculative-method", "draft_model", "--draft-model", str(spec_models["draft"])]
     assert cli_main([*common, *flags, "--num-speculative-tokens", "3"]) == 0
     assert json.loads(capsys.readouterr().out) == off
     assert cli_main([*common, "--speculative-method", "mtp"]) == 0

@@ -23,7 +23,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from pdmesh.tools.model_init import init_model
 from pdmesh_engine import LLM, EngineConfig, EngineCore, SamplingParams
 from pdmesh_engine.forward_batch import ForwardBatch
 from pdmesh_engine.llm import run_lockstep
@@ -70,21 +69,21 @@ def owner(layout: str, i: int) -> int:
     return i % WORLD if layout == "split" else WORLD - 1
 
 
-def spec_fields(models: dict[str, Path], method: str, k: int) -> dict:
+def spec_fields(spec_models: dict[str, Path], method: str, k: int) -> dict:
     if method == "mtp":
         return dict(speculative_method="mtp", num_speculative_tokens=k)
-    draft = models["draft" if method == "draft" else "tiny"]
+    draft = spec_models["draft" if method == "draft" else "tiny"]
     return dict(speculative_method="draft_model", num_speculative_tokens=k, draft_model=str(draft))
 
 
 # ----- children -----
-def _worker(rank: int, world: int, port: int, models: dict[str, Path], out_dir: Path) -> None:
+def _worker(rank: int, world: int, port: int, spec_models: dict[str, Path], out_dir: Path) -> None:
     torch.set_num_threads(1)
     results = {}
     for name, (method, k, layout) in SCENARIOS.items():
         context = init_dep(DEPConfig(rank, world, master_port=port, timeout_s=TIMEOUT_S))
-        config = EngineConfig(**ENGINE, **spec_fields(models, method, k))
-        engine = EngineCore(models["tiny"], config, dep=context)
+        config = EngineConfig(**ENGINE, **spec_fields(spec_models, method, k))
+        engine = EngineCore(spec_models["tiny"], config, dep=context)
         results[name] = _run(rank, engine, layout, stage_draft=name == "self2")
     torch.save(results, out_dir / f"spec-{rank}.pt")
     shutdown_dep()
@@ -158,18 +157,9 @@ def _run(rank: int, engine: EngineCore, layout: str, stage_draft: bool) -> dict:
 
 # ----- tests -----
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("dep-spec")
-    return {
-        "tiny": init_model(root / "tiny", "tiny", seed=0, verbose=False),
-        "draft": init_model(root / "draft", "tiny-draft", seed=0, verbose=False),
-    }
-
-
-@pytest.fixture(scope="module")
-def reference(models: dict[str, Path]) -> dict[int, list[int]]:
+def reference(spec_models: dict[str, Path]) -> dict[int, list[int]]:
     """Speculation off, one rank, every prompt at once."""
-    llm = LLM(models["tiny"], EngineConfig(**ENGINE))
+    llm = LLM(spec_models["tiny"], EngineConfig(**ENGINE))
     outs = llm.generate(
         [prompt(i) for i in range(len(PROMPT_LENS))], [greedy(i) for i in range(len(PROMPT_LENS))]
     )
@@ -177,9 +167,9 @@ def reference(models: dict[str, Path]) -> dict[int, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def ranks(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def ranks(spec_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out_dir = tmp_path_factory.mktemp("dep-spec-out")
-    mp.spawn(_worker, args=(WORLD, free_port(), models, out_dir), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(WORLD, free_port(), spec_models, out_dir), nprocs=WORLD, join=True)
     return load_results(out_dir, WORLD)
 
 
@@ -228,12 +218,12 @@ def test_lockstep_runs_the_same_passes_on_every_rank(ranks: list[dict], scenario
 
 @pytest.mark.parametrize("scenario", ["draft1", "draft3", "draft1-idle"])
 def test_draft_expert_loads_have_their_own_ring(
-    ranks: list[dict], models: dict[str, Path], scenario: str
+    ranks: list[dict], spec_models: dict[str, Path], scenario: str
 ) -> None:
     from pdmesh_engine.config import ModelConfig
 
-    target = ModelConfig.from_dir(models["tiny"])
-    draft = ModelConfig.from_dir(models["draft"])
+    target = ModelConfig.from_dir(spec_models["tiny"])
+    draft = ModelConfig.from_dir(spec_models["draft"])
     for r in (rank[scenario] for rank in ranks):
         counts, target_counts = r["draft_counts"], r["target_counts"]
         assert counts.shape[1:] == (len(draft.moe_layer_ids), draft.n_routed_experts)

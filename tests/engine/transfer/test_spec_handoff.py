@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdmesh.tools.model_init import init_model
 from pdmesh_engine import LLM, EngineConfig, EngineCore, SamplingParams
 from pdmesh_engine.config import ModelConfig
 
@@ -29,25 +28,16 @@ PROMPTS = [[(7 + 13 * i + 31 * k) % 900 + 4 for i in range(n)] for k, n in enume
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("spec-handoff")
-    return {
-        "tiny": init_model(root / "tiny", "tiny", seed=0, verbose=False),
-        "draft": init_model(root / "draft", "tiny-draft", seed=0, verbose=False),
-    }
-
-
-@pytest.fixture(scope="module")
-def reference(models: dict[str, Path]) -> list[list[int]]:
+def reference(spec_models: dict[str, Path]) -> list[list[int]]:
     """Greedy tokens offline, speculation off."""
-    llm = LLM(models["tiny"], EngineConfig(**BASE))
+    llm = LLM(spec_models["tiny"], EngineConfig(**BASE))
     return [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
 
 
-def spec(models: dict[str, Path], method: str, k: int) -> dict[str, object]:
+def spec(spec_models: dict[str, Path], method: str, k: int) -> dict[str, object]:
     if method == "mtp":
         return dict(speculative_method="mtp", num_speculative_tokens=k)
-    draft = models["draft" if method == "draft" else "tiny"]
+    draft = spec_models["draft" if method == "draft" else "tiny"]
     return dict(speculative_method="draft_model", num_speculative_tokens=k, draft_model=str(draft))
 
 
@@ -119,17 +109,20 @@ def hand_off(
     ("method", "k"), [("mtp", 1), ("mtp", 2), ("mtp", 3), ("self", 2), ("draft", 1), ("draft", 3)]
 )
 def test_proposer_kv_crosses_the_handoff_in_the_same_write(
-    models: dict[str, Path], reference: list[list[int]], method: str, k: int
+    spec_models: dict[str, Path], reference: list[list[int]], method: str, k: int
 ) -> None:
-    config = EngineConfig(**BASE, **spec(models, method, k))
-    prefill, decode = EngineCore(models["tiny"], config), EngineCore(models["tiny"], config)
+    config = EngineConfig(**BASE, **spec(spec_models, method, k))
+    prefill, decode = (
+        EngineCore(spec_models["tiny"], config),
+        EngineCore(spec_models["tiny"], config),
+    )
     tokens, writes = hand_off(prefill, decode)
     assert [tokens[f"r{i}"] for i in range(len(PROMPTS))] == reference
-    target = ModelConfig.from_dir(models["tiny"])
+    target = ModelConfig.from_dir(spec_models["tiny"])
     if method == "mtp":
         draft_bpb = bytes_per_block(target, 1)  # the one MTP layer, the target's latent width
     else:
-        draft = ModelConfig.from_dir(models["draft" if method == "draft" else "tiny"])
+        draft = ModelConfig.from_dir(spec_models["draft" if method == "draft" else "tiny"])
         draft_bpb = bytes_per_block(draft, draft.num_hidden_layers)
     target_bpb = bytes_per_block(target, target.num_hidden_layers)
     assert draft_bpb > 0 and target_bpb > 0
@@ -141,13 +134,16 @@ def test_proposer_kv_crosses_the_handoff_in_the_same_write(
         assert stats.acceptance_rate == 1.0
 
 
-def test_acceptance_needs_the_proposer_kv_of_the_handoff(models: dict[str, Path]) -> None:
+def test_acceptance_needs_the_proposer_kv_of_the_handoff(spec_models: dict[str, Path]) -> None:
     """The control: self-drafting after a hand-off whose proposer KV is wiped on arrival accepts
     fewer drafts (while the output stays exact: verification does not read the proposer's KV)."""
-    config = EngineConfig(**BASE, **spec(models, "self", 3))
+    config = EngineConfig(**BASE, **spec(spec_models, "self", 3))
     rates = []
     for wipe in (False, True):
-        prefill, decode = EngineCore(models["tiny"], config), EngineCore(models["tiny"], config)
+        prefill, decode = (
+            EngineCore(spec_models["tiny"], config),
+            EngineCore(spec_models["tiny"], config),
+        )
         hand_off(prefill, decode, wipe_draft=wipe)
         stats = decode.spec_decode_stats()
         assert stats is not None
@@ -155,16 +151,16 @@ def test_acceptance_needs_the_proposer_kv_of_the_handoff(models: dict[str, Path]
     assert rates[0] == 1.0 and rates[1] < 0.9
 
 
-def test_pools_must_match_on_both_sides(models: dict[str, Path]) -> None:
+def test_pools_must_match_on_both_sides(spec_models: dict[str, Path]) -> None:
     """An agent with a proposer pool cannot write to one without, nor the other way round."""
     from pdmesh_engine.transfer.agent import KVTransferAgent
 
-    on = EngineCore(models["tiny"], EngineConfig(**BASE, **spec(models, "mtp", 1)))
-    off = EngineCore(models["tiny"], EngineConfig(**BASE))
+    on = EngineCore(spec_models["tiny"], EngineConfig(**BASE, **spec(spec_models, "mtp", 1)))
+    off = EngineCore(spec_models["tiny"], EngineConfig(**BASE))
     assert off.draft_kv_caches is None and off.speculative == ""
     assert on.speculative == "mtp"
     assert EngineCore(
-        models["tiny"], EngineConfig(**BASE, **spec(models, "draft", 1))
+        spec_models["tiny"], EngineConfig(**BASE, **spec(spec_models, "draft", 1))
     ).speculative == ("draft_model:draft")
     a = KVTransferAgent("spec-on", on.kv_caches, progress_thread=False, draft_kv=on.draft_kv_caches)
     b = KVTransferAgent("spec-off", off.kv_caches, progress_thread=False)

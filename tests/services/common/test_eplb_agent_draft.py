@@ -5,11 +5,11 @@ tiny-draft draft model)."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 
-from pdmesh.tools.model_init import init_model
 from pdmesh_engine import EngineConfig, EngineCore, SamplingParams
 from pdmesh_service.eplb_protocol import Placement, read_loads, write_placement
 from pdmesh_service.redis_server import EmbeddedRedis
@@ -21,10 +21,8 @@ MOVED = [3, 1, 2, 0]  # the draft's experts 0 and 3 trade slots
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> EngineCore:
-    root = tmp_path_factory.mktemp("eplb-draft")
-    target = init_model(root / "tiny", "tiny", seed=0, verbose=False)
-    draft = init_model(root / "draft", "tiny-draft", seed=0, verbose=False)
+def engine(spec_models: dict[str, Path]) -> EngineCore:
+    target, draft = spec_models["tiny"], spec_models["draft"]
     config = EngineConfig(
         num_blocks=64,
         block_size=16,
