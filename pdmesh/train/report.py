@@ -12,7 +12,9 @@ from tokenizers import Tokenizer
 
 from pdmesh.train.model import DeepseekV3ForTraining
 
-SAMPLE_PROMPT = "def fibonacci(n):\n"
+# no trailing newline: the tokenizer merges a newline with the next line's indent, so a prompt that
+# ends in "\n" starts the model on a split it never saw in training
+SAMPLE_PROMPT = "def fibonacci(n):"
 
 
 def write_loss_curve(history: dict[str, Any], path: Path, title: str) -> None:
