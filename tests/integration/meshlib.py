@@ -33,6 +33,20 @@ def http_url(mesh: Mesh) -> str:
     return f"http://{mesh.options.host}:{mesh.options.http_port}"
 
 
+def abandon_stream(mesh: Mesh, body: dict[str, Any], chunks: int = 3) -> None:
+    """POST a streaming completion and hang up after its first `chunks` SSE events, with the
+    request still decoding."""
+    import httpx
+
+    url = f"{http_url(mesh)}/v1/completions"
+    with httpx.stream("POST", url, json=body, timeout=60) as response:
+        seen = 0
+        for line in response.iter_lines():
+            seen += line.startswith("data: ")
+            if seen >= chunks:
+                return
+
+
 def grpc_address(mesh: Mesh) -> str:
     return f"{mesh.options.host}:{mesh.options.grpc_port}"
 

@@ -14,7 +14,7 @@ import time
 import grpc
 import httpx
 import pytest
-from meshlib import grpc_address, http_url, mesh_metadata, wait_idle, worker_status
+from meshlib import abandon_stream, grpc_address, http_url, mesh_metadata, wait_idle, worker_status
 from openai import OpenAI
 
 PROMPTS = [
@@ -209,14 +209,7 @@ def test_client_disconnect_mid_stream_returns_blocks(disagg_mesh):
         "temperature": 0,
         "stream": True,
     }
-    with httpx.stream(
-        "POST", f"{http_url(disagg_mesh)}/v1/completions", json=body, timeout=60
-    ) as response:
-        seen = 0
-        for line in response.iter_lines():
-            seen += line.startswith("data: ")
-            if seen >= 3:
-                break  # leave with the request still decoding
+    abandon_stream(disagg_mesh, body)
     _assert_no_leaks(disagg_mesh)
 
 

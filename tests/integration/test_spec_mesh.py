@@ -34,7 +34,15 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from meshlib import WORKER_ARGS, http_url, kill, mesh_metadata, wait_idle, worker_status
+from meshlib import (
+    WORKER_ARGS,
+    abandon_stream,
+    http_url,
+    kill,
+    mesh_metadata,
+    wait_idle,
+    worker_status,
+)
 from openai import OpenAI
 
 from pdmesh.launcher import Mesh, MeshOptions
@@ -279,15 +287,8 @@ class TestDisaggMTP:
             "temperature": 0,
             "stream": True,
         }
-        for _ in range(3):
-            with httpx.stream(
-                "POST", f"{http_url(mesh)}/v1/completions", json=body, timeout=60
-            ) as response:
-                seen = 0
-                for line in response.iter_lines():
-                    seen += line.startswith("data: ")
-                    if seen >= 3:
-                        break  # leave with the request decoding speculatively
+        for _ in range(3):  # each leaves with its request decoding speculatively
+            abandon_stream(mesh, body)
         _assert_no_leaks(mesh)
 
     def test_a_decode_rank_without_speculation_is_refused_end_to_end(self, mesh):
