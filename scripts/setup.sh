@@ -26,4 +26,8 @@ for dir in $(bash scripts/distributions.sh); do editable+=(-e "./$dir"); done
 pip install --config-settings editable_mode=compat "${editable[@]}" -e ".[test]"
 .venv/bin/python -c "import torch, pdmesh_engine, pdmesh_gateway, pdmesh.cli.main" \
   || { echo "setup: the install is broken" >&2; exit 1; }
+# The CPU layer kernel (C, OpenMP) is compiled once per machine into ~/.cache/pdmesh/kernels; do it
+# now rather than in the first request. Without a C compiler the engine keeps its torch path.
+.venv/bin/python -c "from pdmesh_kernels import cpu_layers; cpu_layers.library()" \
+  || echo "setup: the CPU layer kernel did not build (the engine uses its torch path)" >&2
 echo "setup: ready (.venv/bin/pdmesh)" >&2

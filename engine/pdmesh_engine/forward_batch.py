@@ -67,9 +67,9 @@ class ForwardBatch:
             if sample:
                 logits_rows.append(starts[-1] - 1)
         width = max((len(b) for b in block_ids), default=1) or 1
-        table = torch.zeros((len(block_ids), width), dtype=torch.int32)
-        for row, blocks in enumerate(block_ids):
-            table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        table = torch.tensor(
+            [blocks + [0] * (width - len(blocks)) for blocks in block_ids], dtype=torch.int32
+        ).view(len(block_ids), width)
 
         def t(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)

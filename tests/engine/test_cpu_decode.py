@@ -11,7 +11,7 @@ metadata and MLA decode attention, and the CPU weight layouts.
   and unequal context lengths, read in one chunk (the same arithmetic) or in many (the online
   softmax, also with scores far apart between chunks); chunks split the block tables by rows
   and need no mask where every decode is long enough;
-- `use_cpu_layouts` keeps every weight's values and shape, and the logits.
+- `use_cpu_layouts` keeps every weight's values and shape, and the logits (torch path and C path).
 """
 
 from __future__ import annotations
@@ -276,7 +276,9 @@ def test_cpu_layouts_keep_weights_and_logits() -> None:
     for name, param in model.named_parameters():
         assert torch.equal(param, before[name]), name
     assert has_row_tables(model.moe_layers[0].w13, model.moe_layers[0].w2)
-    assert model.lm_head.weight.t().is_contiguous()  # more outputs than inputs: transposed
-    assert model.layers[0].self_attn.kv_a_proj_with_mqa.weight.is_contiguous()  # fewer: plain
+    # every linear and router weight stored [in, out] (the CPU layer path's layout)
+    assert model.lm_head.weight.t().is_contiguous()
+    assert model.layers[0].self_attn.kv_a_proj_with_mqa.weight.t().is_contiguous()
+    assert model.moe_layers[0].gate.weight.t().is_contiguous()
     logits = model.compute_logits(model(batch, caches.zero_()))
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)

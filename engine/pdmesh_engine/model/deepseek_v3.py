@@ -20,6 +20,7 @@ from torch import nn
 from pdmesh_engine.config import CheckpointError, ModelConfig
 from pdmesh_engine.forward_batch import ForwardBatch
 from pdmesh_engine.model.attention import AttentionMetadata, DecodeGather
+from pdmesh_engine.model.cpu_path import CpuLayerPath
 from pdmesh_engine.model.layers import DenseMLP, MLAttention, RMSNorm, RotaryEmbedding
 from pdmesh_engine.model.moe import (
     ExpertDispatcher,
@@ -151,6 +152,7 @@ class DeepseekV3ForCausalLM(nn.Module):
                 MTPLayer(config, placement, dispatcher, slots)
                 for _ in range(config.num_nextn_predict_layers)
             )
+        self.cpu_layers: CpuLayerPath | None = None  # set by use_cpu_layouts where it applies
 
     @staticmethod
     def _make_layer(
@@ -176,6 +178,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         `expert_load`: where each MoE layer records the tokens routed to its slots (None: not
         recorded)."""
         x = self.embed_tokens(batch.input_ids)
+        if self.cpu_layers is not None and self.cpu_layers.takes(batch, kv_caches):
+            return self.cpu_layers.run(x, batch, kv_caches, expert_load)
         meta = self.attention_metadata(batch, kv_caches)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, batch, kv_cache, self.rope, meta, expert_load)
@@ -207,8 +211,12 @@ class DeepseekV3ForCausalLM(nn.Module):
         block_size, L + R] (its attention's own cache, addressed like the target's) -> the MTP
         block's output x [T, D] (before shared_head_norm). Input at t: eh_proj(cat(enorm(embed(
         token t + 1)), hnorm(h_t))); rope at position t."""
-        meta = self.attention_metadata(batch, mtp_kv_caches)
         mtp = self.mtp[0]
+        if self.cpu_layers is not None and self.cpu_layers.takes(batch, mtp_kv_caches):
+            embeds = mtp.enorm(self.embed_tokens(next_ids))
+            x = mtp.eh_proj(torch.cat((embeds, mtp.hnorm(prev_hidden)), dim=-1))
+            return self.cpu_layers.run(x, batch, mtp_kv_caches, mtp=True)
+        meta = self.attention_metadata(batch, mtp_kv_caches)
         return mtp(
             self.embed_tokens(next_ids), prev_hidden, batch, mtp_kv_caches[0], self.rope, meta
         )
@@ -264,16 +272,19 @@ class DeepseekV3ForCausalLM(nn.Module):
     @torch.no_grad()
     def use_cpu_layouts(self) -> None:
         """Re-store loaded weights in the memory layouts the CPU runs fastest (values and shapes
-        unchanged): the routed experts as row tables (`MoE.use_row_tables`), and linear weights
-        with more outputs than inputs transposed in memory, so `F.linear` runs a plain
-        (non-transposed) GEMM. Measured with one thread at batch 1 (cold weights): the lm head
-        8192x512 1.86 -> 0.74 ms, 512x192 55 -> 38 us; with fewer outputs than inputs the plain
-        layout is faster (192x512 46 vs 52 us), so those stay."""
+        unchanged) and set up the small-batch C path (`cpu_path.CpuLayerPath`) where it applies:
+        the routed experts as row tables (`MoE.use_row_tables`), every linear weight and the
+        routers transposed in memory ([in, out], the C path's layout; `F.linear` then runs a
+        plain GEMM). Measured with one thread at batch 1 on the torch path (cold weights): the lm
+        head 8192x512 1.86 -> 0.74 ms, 512x192 55 -> 38 us, 192x512 52 vs 46 us in the plain
+        layout; batches that small take the C path."""
         for module in self.modules():
             if isinstance(module, MoE):
                 module.use_row_tables()
-            elif isinstance(module, nn.Linear) and module.out_features > module.in_features:
+                module.gate.weight.data = module.gate.weight.data.t().contiguous().t()
+            elif isinstance(module, nn.Linear):
                 module.weight.data = module.weight.data.t().contiguous().t()
+        self.cpu_layers = CpuLayerPath.build(self)
 
     def _target_name(self, name: str, num_layers: int) -> str | None:
         """Checkpoint name -> parameter name here (None: a tensor this model does not use)."""

@@ -186,6 +186,12 @@ class ExpertLoadRecorder:
         ids = slot_ids.flatten()
         self._current[layer].scatter_add_(0, ids, torch.ones_like(ids))
 
+    @property
+    def current(self) -> torch.Tensor:
+        """[num_layers, P] the counts of the step being recorded (kernels may add to it in
+        place)."""
+        return self._current
+
     def end_step(self) -> None:
         self.counts[self.step % self.counts.shape[0]] = self._current
         self._current.zero_()

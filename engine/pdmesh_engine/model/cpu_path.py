@@ -1,0 +1,222 @@
+"""The small-batch CPU path: a model's decoder layers as one C call (`pdmesh_kernels.cpu_layers`).
+
+Selected automatically per forward: CPU, fp32, in-process experts, at most `MAX_TOKENS` tokens
+(decodes, speculative verify chunks, short prefill chunks). Larger batches keep the torch path,
+whose GEMMs win there. Every token attends, in the absorbed form, to its own sequence's cached
+latents up to its position; the batch's latents are written to the cache first, so a chunk's tokens
+see each other causally.
+
+The layer tables (`pdmesh_kernels.cpu_layers.Layer`) point at the model's own parameters, stored
+for this path at load time (`DeepseekV3ForCausalLM.use_cpu_layouts`): linear weights as [in, out],
+the experts as row tables. Placement switches (EPLB) are picked up at the next forward; expert
+weights copied into their slots keep their storage.
+
+Legend: T tokens, D hidden size, K experts per token.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import TYPE_CHECKING, cast
+
+import torch
+from torch import nn
+
+from pdmesh_engine.forward_batch import ForwardBatch
+from pdmesh_engine.model.layers import DenseMLP
+from pdmesh_engine.model.moe import ExpertLoadRecorder, LocalDispatcher, MoE
+from pdmesh_kernels import cpu_layers
+from pdmesh_kernels.cpu_layers import Dims, Layer, f32, i64
+
+if TYPE_CHECKING:
+    from pdmesh_engine.model.deepseek_v3 import DecoderLayer, DeepseekV3ForCausalLM, MTPLayer
+
+log = logging.getLogger(__name__)
+
+MAX_TOKENS = 64  # from here on the torch path's GEMMs are faster (measured: see the README)
+
+
+def _t(linear: nn.Linear) -> torch.Tensor:
+    """The [in, out] view of a linear weight stored transposed (see `use_cpu_layouts`)."""
+    return linear.weight.t()
+
+
+class CpuLayerPath:
+    """One model's layer tables and the call that runs them."""
+
+    def __init__(self, lib: ctypes.CDLL, model: DeepseekV3ForCausalLM) -> None:
+        c = model.config
+        self.lib, self.model = lib, model
+        self.layers = cast("list[DecoderLayer]", list(model.layers))
+        self.mtp_layers = [cast("MTPLayer", m).block for m in model.mtp]
+        attn = self.layers[0].self_attn
+        self.dims = Dims(
+            hidden=c.hidden_size,
+            num_heads=c.num_attention_heads,
+            q_lora_rank=c.q_lora_rank or 0,
+            kv_lora_rank=c.kv_lora_rank,
+            rope_dim=c.qk_rope_head_dim,
+            nope_dim=c.qk_nope_head_dim,
+            v_dim=c.v_head_dim,
+            n_experts=c.n_routed_experts,
+            top_k=c.num_experts_per_tok,
+            n_group=c.n_group,
+            topk_group=c.topk_group,
+            norm_topk_prob=int(c.norm_topk_prob),
+            block_size=0,  # set per call from the cache
+            rope_interleave=int(c.rope_interleave),
+            num_threads=1,
+            rms_eps=c.rms_norm_eps,
+            latent_eps=attn.kv_a_layernorm.eps,
+            attn_scale=attn.scale,
+            routed_scaling=c.routed_scaling_factor,
+        )
+        self.tables = (Layer * len(self.layers))()
+        self.mtp_tables = (Layer * len(self.mtp_layers))()
+        for table, layer in zip(self.tables, self.layers, strict=True):
+            _fill(table, layer)
+        for table, layer in zip(self.mtp_tables, self.mtp_layers, strict=True):
+            _fill(table, layer)
+        self._arange = torch.arange(MAX_TOKENS)
+
+    @classmethod
+    def build(cls, model: DeepseekV3ForCausalLM) -> CpuLayerPath | None:
+        """The path for `model`, or None where it does not apply (the reason logged at debug)."""
+        reason = _unsupported(model)
+        lib = cpu_layers.library() if reason is None else None
+        if lib is None:
+            log.debug("CPU layer path off: %s", reason or "the kernel library is not available")
+            return None
+        try:
+            return cls(lib, model)
+        except ValueError as exc:  # a weight not in the expected layout
+            log.debug("CPU layer path off: %s", exc)
+            return None
+
+    def takes(self, batch: ForwardBatch, kv_caches: torch.Tensor) -> bool:
+        return (
+            batch.num_tokens <= MAX_TOKENS
+            and kv_caches.dtype == torch.float32
+            and kv_caches.device.type == "cpu"
+            and max(batch.seq_len_list) <= self.model.rope.cos.shape[0]
+        )
+
+    def run(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        kv_caches: torch.Tensor,
+        expert_load: ExpertLoadRecorder | None = None,
+        mtp: bool = False,
+    ) -> torch.Tensor:
+        """x [T, D] fp32 (the layers' input) -> hidden states [T, D] (the decoder's, final norm
+        applied), or with `mtp` the MTP block's output over its own cache `kv_caches`."""
+        x = x.contiguous()
+        tables, layers = (self.mtp_tables, self.mtp_layers) if mtp else (self.tables, self.layers)
+        self._refresh_placements(tables, layers)
+        self.dims.block_size = kv_caches.shape[2]
+        self.dims.num_threads = torch.get_num_threads()
+        cpu_layers.forward_layers(
+            self.lib,
+            self.dims,
+            tables,
+            x,
+            batch.positions,
+            batch.slot_mapping,
+            self._token_seq(batch),
+            batch.block_tables,
+            self.model.rope.cos,
+            self.model.rope.sin,
+            kv_caches,
+            load_counts=expert_load.current if expert_load is not None and not mtp else None,
+            final_norm=None if mtp else self.model.norm.weight,
+        )
+        return x
+
+    def _token_seq(self, batch: ForwardBatch) -> torch.Tensor:
+        """Each token's sequence (its row of the block tables)."""
+        if batch.num_decodes == batch.num_tokens:
+            return self._arange[: batch.num_tokens]
+        starts = batch.query_start_list
+        return torch.tensor(
+            [b for b in range(batch.num_seqs) for _ in range(starts[b + 1] - starts[b])],
+            dtype=torch.int64,
+        )
+
+    def _refresh_placements(self, tables: ctypes.Array[Layer], layers: list[DecoderLayer]) -> None:
+        """Point the MoE tables at the placements running now (EPLB swaps them between steps)."""
+        for table, layer in zip(tables, layers, strict=True):
+            if isinstance(layer.mlp, MoE):
+                _set_placement(table, layer.mlp)
+
+
+def _unsupported(model: DeepseekV3ForCausalLM) -> str | None:
+    c = model.config
+    if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in model.parameters()):
+        return "the weights are not fp32 on CPU"
+    if c.qk_rope_head_dim > 512 or c.n_group > 64 or c.num_attention_heads > 256:
+        return "a rope width, group or head count above the kernel's fixed buffers"
+    if c.n_routed_experts % c.n_group:
+        return "experts not divisible into groups"
+    for moe in model.moe_layers:
+        if type(moe.dispatcher) is not LocalDispatcher:
+            return "experts on other ranks (DEP)"
+        if moe.local_slots != range(moe.placement.num_physical):
+            return "this process holds only some slots"
+    return None
+
+
+def _contiguous(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} is not stored in the layout of the CPU layer path")
+    return tensor
+
+
+def _fill(table: Layer, layer: DecoderLayer) -> None:
+    attn = layer.self_attn
+    table.input_norm = f32(layer.input_layernorm.weight)
+    table.post_norm = f32(layer.post_attention_layernorm.weight)
+    if attn.has_q_lora:
+        table.q_a = f32(_contiguous(_t(attn.q_a_proj), "q_a_proj"))
+        table.q_a_bias = f32(attn.q_a_proj.bias)
+        table.q_a_norm = f32(attn.q_a_layernorm.weight)
+        table.q_b = f32(_contiguous(_t(attn.q_b_proj), "q_b_proj"))
+    else:
+        table.q_proj = f32(_contiguous(_t(attn.q_proj), "q_proj"))
+    table.kv_a = f32(_contiguous(_t(attn.kv_a_proj_with_mqa), "kv_a_proj_with_mqa"))
+    table.kv_a_norm = f32(attn.kv_a_layernorm.weight)
+    if attn.w_uk is None or attn.w_uv_t is None:
+        raise ValueError("MLA weights not processed (process_weights)")
+    table.w_uk = f32(_contiguous(attn.w_uk, "w_uk"))
+    table.w_uv = f32(_contiguous(attn.w_uv_t, "w_uv_t"))
+    table.o_proj = f32(_contiguous(_t(attn.o_proj), "o_proj"))
+    table.kv_a_bias = f32(attn.kv_a_proj_with_mqa.bias)
+    table.o_bias = f32(attn.o_proj.bias)
+    mlp = layer.mlp
+    dense = mlp if isinstance(mlp, DenseMLP) else mlp.shared_experts
+    table.mlp_width = dense.gate_proj.out_features if dense is not None else 0
+    if dense is not None:
+        table.gate = f32(_contiguous(_t(dense.gate_proj), "gate_proj"))
+        table.up = f32(_contiguous(_t(dense.up_proj), "up_proj"))
+        table.down = f32(_contiguous(_t(dense.down_proj), "down_proj"))
+    table.moe_index = -1
+    if isinstance(mlp, MoE):
+        table.moe_index = mlp.moe_index
+        table.moe_width = mlp.w2.shape[2]
+        table.num_slots = mlp.w13.shape[0]
+        table.router = f32(_contiguous(mlp.gate.weight.t(), "the router weight"))
+        table.router_bias = f32(mlp.gate.e_score_correction_bias)
+        table.w13 = f32(_contiguous(mlp.w13.transpose(1, 2), "w13"))
+        table.w2 = f32(_contiguous(mlp.w2.transpose(1, 2), "w2"))
+        _set_placement(table, mlp)
+
+
+def _set_placement(table: Layer, moe: MoE) -> None:
+    placement = moe.placement
+    if placement.is_identity:
+        table.replicas = table.replica_counts = None
+        return
+    table.replicas = i64(_contiguous(placement.replicas, "placement.replicas"))
+    table.replica_counts = i64(_contiguous(placement.replica_counts, "placement.replica_counts"))
+    table.replicas_width = placement.replicas.shape[1]

@@ -1,0 +1,505 @@
+/* DeepSeek-V3 decoder layers for a few tokens on CPU, in one call: no Python between ops.
+ *
+ * Each layer: rms_norm -> MLA attention (absorbed form over the paged latent cache, the tokens'
+ * own latents written first) -> residual -> rms_norm -> dense SwiGLU MLP, or sigmoid
+ * group-limited routing over the routed experts plus the shared experts -> residual.
+ * The arithmetic is the engine's torch path (fp32 throughout, the same formulas); only the order
+ * of the sums differs, so results agree to fp32 rounding.
+ *
+ * Layouts (prepared once at load time by the engine):
+ *   linear weights   [in, out] row-major (nn.Linear's weight transposed): y[c] += x[i] * W[i, c]
+ *   w_uk [H, N, L], w_uv [H, L, V]   (kv_b_proj split per head, as the torch path's bmm uses)
+ *   w13 [P, D, 2I], w2 [P, I, D]      (the experts' row tables: gate|up, then down)
+ *   kv cache [num_blocks, block_size, L + R]; rope tables [max_pos, R] as (cos, cos), (-sin, sin)
+ *
+ * Legend: T tokens, D hidden, H heads, N nope dim, R rope dim, L kv_lora_rank, V v dim,
+ * E logical experts, K experts per token, P slots, I expert width.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    int64_t hidden, num_heads, q_lora_rank, kv_lora_rank, rope_dim, nope_dim, v_dim;
+    int64_t n_experts, top_k, n_group, topk_group, norm_topk_prob;
+    int64_t block_size, rope_interleave, num_threads;
+    float rms_eps, latent_eps, attn_scale, routed_scaling;
+} pd_dims;
+
+typedef struct {
+    const float *input_norm, *post_norm;
+    const float *q_a, *q_a_norm, *q_b, *q_proj; /* q_proj when q_lora_rank == 0 */
+    const float *kv_a, *kv_a_norm;
+    const float *w_uk, *w_uv, *o_proj;
+    const float *q_a_bias, *kv_a_bias, *o_bias; /* attention biases (NULL: none) */
+    int64_t mlp_width; /* dense MLP width, or the shared experts' (0: none) */
+    const float *gate, *up, *down;
+    int64_t moe_index; /* row in the expert-load output; -1: a dense layer */
+    int64_t moe_width, num_slots;
+    const float *router, *router_bias; /* [D, E], [E] */
+    const float *w13, *w2;
+    const int64_t *replicas, *replica_counts; /* NULL: slot == logical expert */
+    int64_t replicas_width;
+} pd_layer;
+
+enum { PAR_MIN_MACS = 1 << 14 };
+
+#define MIN(a, b) ((a) < (b) ? (a) : (b))
+
+/* ---------------------------------------------------------------- matmul: Y = X @ W -------- */
+/* 8 floats in a vector register (GCC/Clang vector extension: AVX on x86, NEON pairs on ARM);
+ * aligned(4) makes loads and stores through it unaligned-safe. */
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+
+/* Register tiles: NT tokens x NV vectors of 8 columns of accumulators, one pass over W's rows,
+ * each row's NV vectors loaded once for all NT tokens. */
+#define TILE(NT, NV)                                                                             \
+    static inline void tile_##NT##_##NV(const float *X, int64_t ldx, const float *W,            \
+                                        int64_t ldw, float *Y, int64_t ldy, int64_t k) {        \
+        v8 acc[NT][NV];                                                                          \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                                     \
+            _Pragma("GCC unroll 8") for (int j = 0; j < NV; j++) acc[t][j] = (v8){0};            \
+        for (int64_t i = 0; i < k; i++) {                                                        \
+            const v8 *w = (const v8 *)(W + i * ldw);                                             \
+            v8 wv[NV];                                                                           \
+            _Pragma("GCC unroll 8") for (int j = 0; j < NV; j++) wv[j] = w[j];                   \
+            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                               \
+                const float xv = X[t * ldx + i];                                                 \
+                _Pragma("GCC unroll 8") for (int j = 0; j < NV; j++) acc[t][j] += xv * wv[j];    \
+            }                                                                                    \
+        }                                                                                        \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                                     \
+            _Pragma("GCC unroll 8") for (int j = 0; j < NV; j++)                                 \
+                *(v8 *)(Y + t * ldy + 8 * j) = acc[t][j];                                        \
+    }
+TILE(6, 2)
+TILE(5, 2)
+TILE(4, 2)
+TILE(3, 2)
+TILE(2, 4)
+TILE(2, 2)
+TILE(1, 4)
+TILE(1, 2)
+
+/* Columns [c0, c1) of rows [0, T) without a register tile (the ragged edge). */
+static void matmul_edge(const float *X, int64_t ldx, const float *W, int64_t ldw, float *Y,
+                        int64_t ldy, int64_t T, int64_t k, int64_t c0, int64_t c1) {
+    for (int64_t t = 0; t < T; t++) {
+        float *y = Y + t * ldy;
+        for (int64_t c = c0; c < c1; c++) y[c] = 0.0f;
+        for (int64_t i = 0; i < k; i++) {
+            const float xv = X[t * ldx + i];
+            const float *w = W + i * ldw;
+            for (int64_t c = c0; c < c1; c++) y[c] += xv * w[c];
+        }
+    }
+}
+
+typedef void tile_fn(const float *, int64_t, const float *, int64_t, float *, int64_t, int64_t);
+
+/* Y[t, c0:c1] = X[t, :k] @ W[:k, c0:c1] for t < T (single-threaded): tokens in groups of up to
+ * 6 (6-3 tokens x 16 columns, 2-1 tokens x 32 then 16 columns per tile), ragged columns last. */
+static void matmul_cols(const float *X, int64_t ldx, const float *W, int64_t ldw, float *Y,
+                        int64_t ldy, int64_t T, int64_t k, int64_t c0, int64_t c1) {
+    static tile_fn *const tiles[7] = {0, tile_1_4, tile_2_4, tile_3_2, tile_4_2, tile_5_2, tile_6_2};
+    static tile_fn *const narrow[3] = {0, tile_1_2, tile_2_2};
+    for (int64_t t = 0; t < T;) {
+        const int64_t nt = MIN(6, T - t), width = nt > 2 ? 16 : 32;
+        const float *x = X + t * ldx;
+        int64_t c = c0;
+        for (; c + width <= c1; c += width) tiles[nt](x, ldx, W + c, ldw, Y + t * ldy + c, ldy, k);
+        if (nt <= 2 && c + 16 <= c1) {
+            narrow[nt](x, ldx, W + c, ldw, Y + t * ldy + c, ldy, k);
+            c += 16;
+        }
+        matmul_edge(x, ldx, W, ldw, Y + t * ldy, ldy, nt, k, c, c1);
+        t += nt;
+    }
+}
+
+/* One product of a `matmuls` call: Y [T, n] = X @ W [k, n]. */
+typedef struct {
+    const float *W;
+    float *Y;
+    int64_t n;
+} mm_job;
+
+/* Products that share their input X [T, k], in one parallel region: each job's columns are split
+ * into one part per thread (multiples of 16), parts handed out round-robin, so the threads get
+ * equal shares of every job. Serial when the work is too small to pay for the threads. */
+static void matmuls(const float *X, int64_t T, int64_t k, const mm_job *jobs, int njobs, int nt) {
+    int64_t macs = 0;
+    for (int j = 0; j < njobs; j++) macs += T * k * jobs[j].n;
+    if (nt <= 1 || macs < PAR_MIN_MACS) {
+        for (int j = 0; j < njobs; j++)
+            matmul_cols(X, k, jobs[j].W, jobs[j].n, jobs[j].Y, jobs[j].n, T, k, 0, jobs[j].n);
+        return;
+    }
+#pragma omp parallel for num_threads(nt) schedule(static, 1)
+    for (int64_t item = 0; item < (int64_t)njobs * nt; item++) {
+        const mm_job *job = jobs + item / nt;
+        const int64_t part = item % nt, chunk = ((job->n + nt - 1) / nt + 15) / 16 * 16;
+        const int64_t c0 = MIN(job->n, part * chunk), c1 = MIN(job->n, c0 + chunk);
+        if (c0 < c1) matmul_cols(X, k, job->W, job->n, job->Y, job->n, T, k, c0, c1);
+    }
+}
+
+/* Y [T, n] = X [T, k] @ W [k, n] */
+static void matmul(const float *X, const float *W, float *Y, int64_t T, int64_t k, int64_t n,
+                   int nt) {
+    const mm_job job = {W, Y, n};
+    matmuls(X, T, k, &job, 1, nt);
+}
+
+/* ---------------------------------------------------------------- small pieces ------------- */
+static void add_bias(float *y, const float *bias, int64_t T, int64_t n) {
+    if (!bias) return;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t c = 0; c < n; c++) y[t * n + c] += bias[c];
+}
+
+static void rms_norm(const float *x, const float *w, float *y, int64_t n, float eps) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    const float r = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = x[i] * r * w[i];
+}
+
+static inline float silu(float v) { return v / (1.0f + expf(-v)); }
+
+/* Rope as the engine's RotaryEmbedding: with interleave the pairs are (x0, x1), (x2, x3), ...
+ * and the output is de-interleaved; out = y * cos + swap(y) * sin. In place on x [R]. */
+static void rope(float *x, const float *cos_row, const float *sin_row, int64_t r, int interleave) {
+    float y1[256], y2[256];
+    const int64_t h = r / 2;
+    for (int64_t j = 0; j < h; j++) {
+        y1[j] = interleave ? x[2 * j] : x[j];
+        y2[j] = interleave ? x[2 * j + 1] : x[h + j];
+    }
+    for (int64_t j = 0; j < h; j++) {
+        x[j] = y1[j] * cos_row[j] + y2[j] * sin_row[j];
+        x[h + j] = y2[j] * cos_row[h + j] + y1[j] * sin_row[h + j];
+    }
+}
+
+static inline float hsum(v8 v) {
+    float sum = 0.0f;
+    for (int j = 0; j < 8; j++) sum += v[j];
+    return sum;
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    v8 acc0 = {0}, acc1 = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        acc0 += *(const v8 *)(a + i) * *(const v8 *)(b + i);
+        acc1 += *(const v8 *)(a + i + 8) * *(const v8 *)(b + i + 8);
+    }
+    for (; i + 8 <= n; i += 8) acc0 += *(const v8 *)(a + i) * *(const v8 *)(b + i);
+    float sum = hsum(acc0 + acc1);
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* out[j] = q_j . row for nh queries q_j = q + j * n, four at a time (each row load shared). */
+static void dot_rows(const float *q, int64_t nh, int64_t n, const float *row, float *out) {
+    int64_t j = 0;
+    for (; j + 4 <= nh; j += 4) {
+        const float *q0 = q + j * n, *q1 = q0 + n, *q2 = q1 + n, *q3 = q2 + n;
+        v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) {
+            const v8 r = *(const v8 *)(row + i);
+            a0 += *(const v8 *)(q0 + i) * r;
+            a1 += *(const v8 *)(q1 + i) * r;
+            a2 += *(const v8 *)(q2 + i) * r;
+            a3 += *(const v8 *)(q3 + i) * r;
+        }
+        float s0 = hsum(a0), s1 = hsum(a1), s2 = hsum(a2), s3 = hsum(a3);
+        for (; i < n; i++) {
+            s0 += q0[i] * row[i], s1 += q1[i] * row[i];
+            s2 += q2[i] * row[i], s3 += q3[i] * row[i];
+        }
+        out[j] = s0, out[j + 1] = s1, out[j + 2] = s2, out[j + 3] = s3;
+    }
+    for (; j < nh; j++) out[j] = dot(q + j * n, row, n);
+}
+
+/* y[:n] += a * x[:n] */
+static inline void axpy(float *y, float a, const float *x, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) *(v8 *)(y + i) += a * *(const v8 *)(x + i);
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+/* ---------------------------------------------------------------- attention ---------------- */
+typedef struct {
+    const int64_t *positions, *slot_mapping, *token_seq;
+    const int32_t *block_tables;
+    int64_t block_table_stride;
+    const float *rope_cos, *rope_sin; /* [max_pos, R] */
+} pd_batch;
+
+/* x [T, D] -> attention output added to x (the residual). */
+static void attention(const pd_dims *d, const pd_layer *l, const pd_batch *b, float *kv_cache,
+                      float *x, int64_t T, float *h, float *work) {
+    const int64_t D = d->hidden, H = d->num_heads, N = d->nope_dim, R = d->rope_dim,
+                  L = d->kv_lora_rank, V = d->v_dim, QL = d->q_lora_rank, E = L + R,
+                  QW = H * (N + R), BS = d->block_size;
+    const int nt = (int)d->num_threads;
+    float *q = work;              /* [T, H, N + R] */
+    float *kva = q + T * QW;      /* [T, L + R] */
+    float *qcat = kva + T * E;    /* [T, H, L + R]: latent query, rotated rope query */
+    float *o = qcat + T * H * E;  /* [T, H, V] */
+    float *qa = o + T * H * V;    /* [T, QL] */
+
+    for (int64_t t = 0; t < T; t++) rms_norm(x + t * D, l->input_norm, h + t * D, D, d->rms_eps);
+    const mm_job first[2] = {QL ? (mm_job){l->q_a, qa, QL} : (mm_job){l->q_proj, q, QW},
+                             {l->kv_a, kva, E}}; /* both read h: one parallel region */
+    matmuls(h, T, D, first, 2, nt);
+    add_bias(kva, l->kv_a_bias, T, E);
+    if (QL) {
+        add_bias(qa, l->q_a_bias, T, QL);
+        for (int64_t t = 0; t < T; t++) rms_norm(qa + t * QL, l->q_a_norm, qa + t * QL, QL, d->latent_eps);
+        matmul(qa, l->q_b, q, T, QL, QW, nt);
+    }
+    for (int64_t t = 0; t < T; t++) { /* the tokens' cache entries: [norm(latent), rope(k_pe)] */
+        float *row = kv_cache + b->slot_mapping[t] * E;
+        float *src = kva + t * E;
+        rms_norm(src, l->kv_a_norm, row, L, d->latent_eps);
+        const int64_t pos = b->positions[t];
+        memcpy(row + L, src + L, R * sizeof(float));
+        rope(row + L, b->rope_cos + pos * R, b->rope_sin + pos * R, R, (int)d->rope_interleave);
+    }
+    /* work items: a token's heads [h0, h1); with fewer tokens than threads the heads are split */
+    const int64_t groups = T >= nt ? 1 : MIN(H, nt), per = (H + groups - 1) / groups;
+#pragma omp parallel num_threads(T * groups > 1 ? nt : 1)
+    {
+        int64_t cap = 0;
+        float *scores = NULL, *acc = malloc(sizeof(float) * per * L);
+#pragma omp for schedule(dynamic)
+        for (int64_t item = 0; item < T * groups; item++) {
+            const int64_t t = item / groups, h0 = (item % groups) * per, h1 = MIN(H, h0 + per);
+            const int64_t pos = b->positions[t], ctx = pos + 1, nh = h1 - h0;
+            const float *rope_cos = b->rope_cos + pos * R, *rope_sin = b->rope_sin + pos * R;
+            float *qc = qcat + (t * H + h0) * E;
+            for (int64_t hd = h0; hd < h1; hd++) { /* latent query q_nope @ w_uk[h], rope query */
+                const float *qh = q + t * QW + hd * (N + R);
+                float *qd = qcat + (t * H + hd) * E;
+                matmul_cols(qh, N, l->w_uk + hd * N * L, L, qd, L, 1, N, 0, L);
+                memcpy(qd + L, qh + N, R * sizeof(float));
+                rope(qd + L, rope_cos, rope_sin, R, (int)d->rope_interleave);
+            }
+            if (nh * ctx > cap) {
+                free(scores);
+                cap = MIN(nh * ctx * 2, nh * ctx + (1 << 20));
+                scores = malloc(sizeof(float) * cap);
+            }
+            const int32_t *table = b->block_tables + b->token_seq[t] * b->block_table_stride;
+            float best[256], total[256]; /* per head: running max, then the softmax sum */
+            for (int64_t j = 0; j < nh; j++) best[j] = -INFINITY, total[j] = 0.0f;
+            for (int64_t s = 0; s < ctx; s++) { /* scores: each cached row read once */
+                const float *row = kv_cache + ((int64_t)table[s / BS] * BS + s % BS) * E;
+                float dots[256];
+                dot_rows(qc, nh, E, row, dots);
+                for (int64_t j = 0; j < nh; j++) {
+                    const float sc = dots[j] * d->attn_scale;
+                    scores[j * ctx + s] = sc;
+                    best[j] = sc > best[j] ? sc : best[j];
+                }
+            }
+            for (int64_t j = 0; j < nh; j++) {
+                float *sj = scores + j * ctx;
+                for (int64_t s = 0; s < ctx; s++) total[j] += sj[s] = expf(sj[s] - best[j]);
+                for (int64_t s = 0; s < ctx; s++) sj[s] /= total[j];
+            }
+            memset(acc, 0, sizeof(float) * nh * L);
+            for (int64_t s = 0; s < ctx; s++) { /* probabilities @ latents, each row read once */
+                const float *row = kv_cache + ((int64_t)table[s / BS] * BS + s % BS) * E;
+                for (int64_t j = 0; j < nh; j++) axpy(acc + j * L, scores[j * ctx + s], row, L);
+            }
+            for (int64_t j = 0; j < nh; j++) /* values: latent [L] @ w_uv[h] [L, V] */
+                matmul_cols(acc + j * L, L, l->w_uv + (h0 + j) * L * V, V,
+                            o + (t * H + h0 + j) * V, V, 1, L, 0, V);
+        }
+        free(scores);
+        free(acc);
+    }
+    matmul(o, l->o_proj, h, T, H * V, D, nt);
+    add_bias(h, l->o_bias, T, D);
+    for (int64_t i = 0; i < T * D; i++) x[i] += h[i];
+}
+
+/* ---------------------------------------------------------------- MLPs --------------------- */
+/* out [T, D] = down(silu(x @ gate) * (x @ up)), W [D, I], [D, I], [I, D]; `act` [T, 2I] work. */
+static void swiglu(const float *x, const float *gate, const float *up, const float *down,
+                   float *out, int64_t T, int64_t D, int64_t I, float *act, int nt) {
+    float *g = act, *u = act + T * I;
+    const mm_job gate_up[2] = {{gate, g, I}, {up, u, I}};
+    matmuls(x, T, D, gate_up, 2, nt);
+    for (int64_t i = 0; i < T * I; i++) g[i] = silu(g[i]) * u[i];
+    matmul(g, down, out, T, I, D, nt);
+}
+
+static inline float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
+
+/* Top `k` of v[n] (largest first, lower index on ties) into idx. */
+static void top_indices(const float *v, int64_t n, int64_t k, int64_t *idx) {
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t i = 0; i < n; i++) {
+            int taken = 0;
+            for (int64_t m = 0; m < j; m++) taken |= idx[m] == i;
+            if (!taken && (best < 0 || v[i] > v[best])) best = i;
+        }
+        idx[j] = best;
+    }
+}
+
+/* Router of one token: weights [K] and logical experts [K] (`work`: 3E floats). */
+static void route(const pd_dims *d, const pd_layer *l, const float *logits, float *weights,
+                  int64_t *experts, float *work) {
+    const int64_t E = d->n_experts, K = d->top_k, G = d->n_group, per = E / G;
+    float *scores = work, *choice = work + E, *group_scores = work + 2 * E;
+    for (int64_t e = 0; e < E; e++) {
+        scores[e] = sigmoid(logits[e]);
+        choice[e] = scores[e] + l->router_bias[e];
+    }
+    if (d->topk_group < G) { /* keep the experts of the best topk_group groups (top-2 sums) */
+        int64_t pair[2], groups[64];
+        for (int64_t g = 0; g < G; g++) {
+            top_indices(choice + g * per, per, 2, pair);
+            group_scores[g] = choice[g * per + pair[0]] + choice[g * per + pair[1]];
+        }
+        top_indices(group_scores, G, d->topk_group, groups);
+        for (int64_t g = 0; g < G; g++) {
+            int kept = 0;
+            for (int64_t m = 0; m < d->topk_group; m++) kept |= groups[m] == g;
+            if (!kept)
+                for (int64_t e = g * per; e < (g + 1) * per; e++) choice[e] = -INFINITY;
+        }
+    }
+    top_indices(choice, E, K, experts);
+    float sum = 0.0f;
+    for (int64_t k = 0; k < K; k++) sum += weights[k] = scores[experts[k]];
+    for (int64_t k = 0; k < K; k++)
+        weights[k] = (d->norm_topk_prob ? weights[k] / (sum + 1e-20f) : weights[k]) * d->routed_scaling;
+}
+
+/* x += routed experts + shared experts of norm(x) (already in h [T, D]). */
+static void moe(const pd_dims *d, const pd_layer *l, const float *h, float *x, int64_t T,
+                int64_t *load_counts, float *work) {
+    const int64_t D = d->hidden, E = d->n_experts, K = d->top_k, I = l->moe_width,
+                  P = l->num_slots, TK = T * K;
+    const int nt = (int)d->num_threads;
+    float *logits = work;             /* [T, E] */
+    float *weights = logits + T * E;  /* [T, K] */
+    float *pair_out = weights + TK;   /* [T * K, D]: each (token, expert) pair's output */
+    float *shared = pair_out + TK * D; /* [T, D] */
+    float *route_work = shared + T * D; /* [3E + 64] */
+    int64_t *slots = malloc(sizeof(int64_t) * (3 * TK + P + 1));
+    int64_t *experts = slots + TK, *order = experts + TK, *start = order + TK;
+
+    matmul(h, l->router, logits, T, D, E, nt);
+    for (int64_t t = 0; t < T; t++) {
+        route(d, l, logits + t * E, weights + t * K, experts + t * K, route_work);
+        for (int64_t k = 0; k < K; k++) {
+            const int64_t e = experts[t * K + k];
+            slots[t * K + k] = l->replicas ? l->replicas[e * l->replicas_width + t % l->replica_counts[e]] : e;
+        }
+    }
+    if (load_counts)
+        for (int64_t n = 0; n < TK; n++) load_counts[l->moe_index * P + slots[n]]++;
+    /* group the pairs by slot (counting sort, stable) */
+    memset(start, 0, (P + 1) * sizeof(int64_t));
+    for (int64_t n = 0; n < TK; n++) start[slots[n] + 1]++;
+    for (int64_t p = 0; p < P; p++) start[p + 1] += start[p];
+    {
+        int64_t *fill = malloc(sizeof(int64_t) * P);
+        memcpy(fill, start, P * sizeof(int64_t));
+        for (int64_t n = 0; n < TK; n++) order[fill[slots[n]]++] = n;
+        free(fill);
+    }
+    const int64_t SW = l->mlp_width; /* shared experts' width (0: none) */
+    /* units: -1 the shared experts (all T tokens; the biggest, handed out first), p >= 0 slot p */
+#pragma omp parallel num_threads(TK + (SW > 0) > 1 ? nt : 1)
+    {
+        const int64_t slot_floats = T * (2 * D + 3 * I), shared_floats = T * 3 * SW;
+        float *rows = malloc(sizeof(float) * (slot_floats > shared_floats ? slot_floats : shared_floats));
+#pragma omp for schedule(dynamic)
+        for (int64_t p = -1; p < P; p++) {
+            if (p < 0) {
+                if (SW) swiglu(h, l->gate, l->up, l->down, shared, T, D, SW, rows, 1);
+                continue;
+            }
+            const int64_t n = start[p + 1] - start[p];
+            if (!n) continue;
+            float *gate_up = rows + T * D, *hidden = gate_up + T * 2 * I, *out = hidden + T * I;
+            for (int64_t r = 0; r < n; r++)
+                memcpy(rows + r * D, h + (order[start[p] + r] / K) * D, D * sizeof(float));
+            matmul_cols(rows, D, l->w13 + p * D * 2 * I, 2 * I, gate_up, 2 * I, n, D, 0, 2 * I);
+            for (int64_t r = 0; r < n; r++)
+                for (int64_t i = 0; i < I; i++)
+                    hidden[r * I + i] = silu(gate_up[r * 2 * I + i]) * gate_up[r * 2 * I + I + i];
+            matmul_cols(hidden, I, l->w2 + p * I * D, D, out, D, n, I, 0, D);
+            for (int64_t r = 0; r < n; r++)
+                memcpy(pair_out + order[start[p] + r] * D, out + r * D, D * sizeof(float));
+        }
+        free(rows);
+    }
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t j = 0; j < D; j++) {
+            float acc = 0.0f;
+            for (int64_t k = 0; k < K; k++) acc += weights[t * K + k] * pair_out[(t * K + k) * D + j];
+            x[t * D + j] += SW ? acc + shared[t * D + j] : acc;
+        }
+    free(slots);
+}
+
+/* ---------------------------------------------------------------- entry --------------------- */
+/* Runs `num_layers` layers over x [T, D] in place, then the final norm (NULL: none). Layer i
+ * uses the cache at kv_base + i * kv_layer_stride. load_counts [num_moe_layers, P] (NULL: not
+ * recorded) counts the tokens routed to each slot, at each MoE layer's moe_index row. Returns 0,
+ * or -1 when out of memory. */
+int pd_forward_layers(const pd_dims *d, const pd_layer *layers, int64_t num_layers, float *x,
+                      int64_t T, const int64_t *positions, const int64_t *slot_mapping,
+                      const int64_t *token_seq, const int32_t *block_tables,
+                      int64_t block_table_stride, const float *rope_cos, const float *rope_sin,
+                      float *kv_base, int64_t kv_layer_stride, int64_t *load_counts,
+                      const float *final_norm) {
+    const pd_batch b = {positions, slot_mapping, token_seq, block_tables, block_table_stride,
+                        rope_cos, rope_sin};
+    const int64_t D = d->hidden, H = d->num_heads, E = d->kv_lora_rank + d->rope_dim,
+                  QW = H * (d->nope_dim + d->rope_dim), K = d->top_k, X = d->n_experts;
+    int64_t widest = 0; /* the widest MLP of any layer (dense, shared or expert) */
+    for (int64_t i = 0; i < num_layers; i++) {
+        widest = layers[i].mlp_width > widest ? layers[i].mlp_width : widest;
+        widest = layers[i].moe_width > widest ? layers[i].moe_width : widest;
+    }
+    const int64_t attn_floats = T * (QW + E + H * E + H * d->v_dim + d->q_lora_rank);
+    const int64_t moe_floats = T * X + T * K + T * K * D + T * D + 3 * X + 64 + T * 2 * widest;
+    const int64_t mlp_floats = T * D + T * 2 * widest;
+    int64_t most = attn_floats > moe_floats ? attn_floats : moe_floats;
+    most = mlp_floats > most ? mlp_floats : most;
+    float *h = malloc(sizeof(float) * (T * D + most));
+    if (!h) return -1;
+    float *work = h + T * D;
+    for (int64_t i = 0; i < num_layers; i++) {
+        const pd_layer *l = layers + i;
+        attention(d, l, &b, kv_base + i * kv_layer_stride, x, T, h, work);
+        for (int64_t t = 0; t < T; t++) rms_norm(x + t * D, l->post_norm, h + t * D, D, d->rms_eps);
+        if (l->moe_index >= 0) {
+            moe(d, l, h, x, T, load_counts, work);
+        } else {
+            float *out = work, *act = work + T * D;
+            swiglu(h, l->gate, l->up, l->down, out, T, D, l->mlp_width, act, (int)d->num_threads);
+            for (int64_t j = 0; j < T * D; j++) x[j] += out[j];
+        }
+    }
+    if (final_norm)
+        for (int64_t t = 0; t < T; t++) rms_norm(x + t * D, final_norm, x + t * D, D, d->rms_eps);
+    free(h);
+    return 0;
+}

@@ -1,0 +1,208 @@
+"""DeepSeek-V3 decoder layers for a few tokens on CPU in one C call (`cpu/layers.c`).
+
+At one user a decode step of the torch path is ~100 small ops per layer, each paying Python and
+dispatch overhead that is larger than its arithmetic. `cpu/layers.c` runs whole layers (MLA over
+the paged latent cache, routing, experts, shared experts) with no Python in between: the batch's
+tensors and the weights go in as pointers, fp32 throughout, threads by OpenMP (the runtime torch
+already loaded, so the two share one thread pool).
+
+The library is compiled on first use with the system C compiler (`$CC`, else `cc`; -O3
+-march=native -fopenmp) into a cache folder (`$PDMESH_KERNEL_CACHE`, else
+`~/.cache/pdmesh/kernels`), keyed by the source, the flags, the compiler and the CPU. Without a
+compiler `library()` returns None and the engine keeps its torch path; `PDMESH_CPU_LAYERS=0` turns
+the C path off.
+
+The ctypes mirrors `Dims` and `Layer` must match `pd_dims` and `pd_layer` in `cpu/layers.c` field
+for field.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "cpu" / "layers.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-Wall")
+_f32 = ctypes.POINTER(ctypes.c_float)
+_i64 = ctypes.POINTER(ctypes.c_int64)
+_i32 = ctypes.POINTER(ctypes.c_int32)
+
+
+class Dims(ctypes.Structure):
+    _fields_ = [
+        *((name, ctypes.c_int64) for name in (
+            "hidden", "num_heads", "q_lora_rank", "kv_lora_rank", "rope_dim", "nope_dim", "v_dim",
+            "n_experts", "top_k", "n_group", "topk_group", "norm_topk_prob",
+            "block_size", "rope_interleave", "num_threads",
+        )),
+        *((name, ctypes.c_float) for name in (
+            "rms_eps", "latent_eps", "attn_scale", "routed_scaling"
+        )),
+    ]  # fmt: skip
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [
+        *((name, _f32) for name in (
+            "input_norm", "post_norm", "q_a", "q_a_norm", "q_b", "q_proj", "kv_a", "kv_a_norm",
+            "w_uk", "w_uv", "o_proj", "q_a_bias", "kv_a_bias", "o_bias",
+        )),
+        ("mlp_width", ctypes.c_int64),
+        *((name, _f32) for name in ("gate", "up", "down")),
+        *((name, ctypes.c_int64) for name in ("moe_index", "moe_width", "num_slots")),
+        *((name, _f32) for name in ("router", "router_bias", "w13", "w2")),
+        ("replicas", _i64),
+        ("replica_counts", _i64),
+        ("replicas_width", ctypes.c_int64),
+    ]  # fmt: skip
+
+
+def enabled() -> bool:
+    return os.environ.get("PDMESH_CPU_LAYERS", "1") not in ("0", "false", "no", "off")
+
+
+def f32(tensor: torch.Tensor | None) -> ctypes._Pointer[ctypes.c_float] | None:
+    """A float pointer to a contiguous fp32 CPU tensor (None stays NULL)."""
+    if tensor is None:
+        return None
+    if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
+        raise ValueError(f"expected an fp32 CPU tensor, got {tensor.dtype} on {tensor.device}")
+    return ctypes.cast(tensor.data_ptr(), _f32)
+
+
+def i64(tensor: torch.Tensor | None) -> ctypes._Pointer[ctypes.c_int64] | None:
+    return None if tensor is None else ctypes.cast(tensor.data_ptr(), _i64)
+
+
+def i32(tensor: torch.Tensor) -> ctypes._Pointer[ctypes.c_int32]:
+    return ctypes.cast(tensor.data_ptr(), _i32)
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+def _cpu_signature() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("PDMESH_KERNEL_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "pdmesh" / "kernels"
+
+
+def build(compiler: str) -> Path:
+    """Compile `cpu/layers.c` (once per source, flags, compiler and CPU) and return the library's
+    path. Raises RuntimeError with the compiler's output when it fails."""
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=False
+    ).stdout
+    key = hashlib.sha256(
+        b"\0".join(
+            s.encode() for s in (SOURCE.read_text(), " ".join(FLAGS), version, _cpu_signature())
+        )
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"pdmesh_layers-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log.info("compiling the CPU layer kernel into %s", target)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        done = subprocess.run(
+            [compiler, *FLAGS, "-o", str(out), str(SOURCE), "-lm"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed on {SOURCE.name}:\n{done.stderr[-4000:]}")
+        os.replace(out, target)  # atomic: a concurrent build of the same key writes the same file
+    return target
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel (built on first call), or None: disabled, no compiler, or the build
+    failed (logged once)."""
+    if not enabled():
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        log.warning("no C compiler found: the CPU layer kernel is off (torch path)")
+        return None
+    try:
+        lib = ctypes.CDLL(str(build(compiler)))
+    except (OSError, RuntimeError) as exc:
+        log.warning("the CPU layer kernel is off (torch path): %s", exc)
+        return None
+    lib.pd_forward_layers.restype = ctypes.c_int
+    lib.pd_forward_layers.argtypes = [
+        ctypes.POINTER(Dims), ctypes.POINTER(Layer), ctypes.c_int64, _f32, ctypes.c_int64,
+        _i64, _i64, _i64, _i32, ctypes.c_int64, _f32, _f32, _f32, ctypes.c_int64, _i64, _f32,
+    ]  # fmt: skip
+    return lib
+
+
+def forward_layers(
+    lib: ctypes.CDLL,
+    dims: Dims,
+    layers: ctypes.Array[Layer],
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    token_seq: torch.Tensor,
+    block_tables: torch.Tensor,
+    rope_cos: torch.Tensor,
+    rope_sin: torch.Tensor,
+    kv_caches: torch.Tensor,
+    load_counts: torch.Tensor | None = None,
+    final_norm: torch.Tensor | None = None,
+) -> None:
+    """Run `layers` over x [T, D] (fp32, contiguous, updated in place), then `final_norm`'s
+    RMSNorm weight [D] if given. positions, slot_mapping, token_seq (each token's row of
+    block_tables) [T] int64; block_tables [B, M] int32; rope tables [max_pos, R] fp32; kv_caches
+    [len(layers), num_blocks, block_size, L + R] fp32 (layer i uses row i); load_counts
+    [num_moe_layers, P] int64 (tokens routed to each slot are added there) or None."""
+    for tensor in (x, positions, slot_mapping, token_seq, block_tables, kv_caches):
+        if tensor.device.type != "cpu":
+            raise ValueError("forward_layers runs on CPU tensors")
+        if not tensor.is_contiguous():
+            raise ValueError("forward_layers needs contiguous tensors")
+    status = lib.pd_forward_layers(
+        ctypes.byref(dims),
+        layers,
+        len(layers),
+        f32(x),
+        x.shape[0],
+        i64(positions),
+        i64(slot_mapping),
+        i64(token_seq),
+        i32(block_tables),
+        block_tables.shape[1],
+        f32(rope_cos),
+        f32(rope_sin),
+        f32(kv_caches),
+        kv_caches[0].numel(),
+        i64(load_counts),
+        f32(final_norm),
+    )
+    if status != 0:
+        raise MemoryError("the CPU layer kernel could not allocate its work buffers")

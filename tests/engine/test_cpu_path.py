@@ -1,0 +1,286 @@
+"""The small-batch CPU path (`pdmesh_engine.model.cpu_path`, the C kernel of
+`pdmesh_kernels.cpu_layers`) against the engine's torch path on the same weights:
+
+- for the three reference configs (q-LoRA or not, interleaved or not, yarn, attention biases,
+  dense and MoE layers, 1 or 2 shared experts) and batches of decodes, prefill chunks and both
+  mixed, the hidden states, the cache entries written and the expert loads recorded agree;
+- a placement with replicas (slots chosen by token index) and a switch to another placement
+  between steps are followed, with the same recorded slots as the torch path;
+- the MTP block agrees too;
+- a forward on the C path runs a handful of aten ops whatever the layer count; batches above
+  `MAX_TOKENS` take the torch path; DEP (experts on other ranks) and `PDMESH_CPU_LAYERS=0` keep
+  the torch path;
+- the library is compiled once into the kernel cache and loaded from there afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pdmesh_engine.config import ModelConfig
+from pdmesh_engine.forward_batch import ForwardBatch
+from pdmesh_engine.model import cpu_path
+from pdmesh_engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+from pdmesh_engine.model.moe import ExpertDispatcher, ExpertLoadRecorder, ExpertPlacement
+from pdmesh_engine.model_runner import load_model
+from pdmesh_kernels import cpu_layers
+
+pytestmark = pytest.mark.skipif(
+    cpu_layers.library() is None, reason="no C compiler: the CPU layer path is off"
+)
+
+BLOCK = 4
+
+
+def _prefill(model: DeepseekV3ForCausalLM, caches: torch.Tensor, lens: list[int], seed: int):
+    """Fill the caches of len(lens) sequences through the torch path; returns their tokens and
+    block lists (scattered blocks)."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    tokens = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens]
+    free = torch.randperm(caches.shape[1] - 1, generator=gen).add(1).tolist()
+    blocks = []
+    for n in lens:
+        count = -(-(n + 8) // BLOCK)  # room for 8 more tokens
+        blocks.append([free.pop() for _ in range(count)])
+    batch = ForwardBatch.build(tokens, [0] * len(lens), blocks, BLOCK, [True] * len(lens), "cpu")
+    path, model.cpu_layers = model.cpu_layers, None
+    model(batch, caches)
+    model.cpu_layers = path
+    return tokens, blocks
+
+
+def _both_paths(
+    model: DeepseekV3ForCausalLM,
+    batch: ForwardBatch,
+    caches: torch.Tensor,
+    num_physical: int | None = None,
+) -> dict[str, Any]:
+    """Run `batch` on the torch path and the C path from the same caches."""
+    results: dict[str, Any] = {}
+    path = model.cpu_layers
+    assert path is not None and path.takes(batch, caches)
+    for name, use in (("torch", None), ("c", path)):
+        model.cpu_layers = use
+        kv = caches.clone()
+        load = None
+        if num_physical is not None:
+            load = ExpertLoadRecorder(len(model.moe_layers), num_physical, window=2)
+        results[name] = (model(batch, kv, load), kv, load)
+    model.cpu_layers = path
+    return results
+
+
+def _assert_agree(results: dict[str, Any]) -> None:
+    (hidden, kv, load), (c_hidden, c_kv, c_load) = results["torch"], results["c"]
+    scale = hidden.abs().max().item()
+    torch.testing.assert_close(c_hidden, hidden, rtol=1e-4, atol=1e-4 * scale)
+    torch.testing.assert_close(c_kv, kv, rtol=1e-5, atol=1e-5)
+    if load is not None:
+        assert torch.equal(c_load._current, load._current)
+        assert load._current.sum() > 0
+
+
+@pytest.mark.parametrize("name", ["base", "yarn_noqlora", "yarn_dense2"])
+@pytest.mark.parametrize("kind", ["decodes", "chunks", "mixed"])
+@torch.inference_mode()
+def test_c_path_matches_the_torch_path(reference_models: dict, name: str, kind: str) -> None:
+    ref = reference_models[name]
+    config = ModelConfig.from_dir(ref.path)
+    model = load_model(ref.path, config, torch.device("cpu"), torch.float32)
+    assert model.cpu_layers is not None
+    caches = torch.zeros(config.num_hidden_layers, 48, BLOCK, config.kv_cache_dim)
+    lens = [23, 9, 1, 14]
+    tokens, blocks = _prefill(model, caches, lens, seed=len(kind))
+    new = {
+        "decodes": [[5], [6], [7], [8]],
+        "chunks": [[5, 6, 7], [8, 9], [1, 2, 3, 4, 5, 6, 7], [3]],
+        "mixed": [[5], [6], [7, 8, 9, 10], [11, 12]],
+    }[kind]
+    batch = ForwardBatch.build(new, lens, blocks, BLOCK, [True] * 4, "cpu")
+    moe = model.moe_layers
+    _assert_agree(_both_paths(model, batch, caches, moe[0].placement.num_physical if moe else None))
+
+
+@torch.inference_mode()
+def test_two_threads_give_the_one_thread_result() -> None:
+    model = _random_model()
+    config = model.config
+    caches = torch.zeros(config.num_hidden_layers, 64, BLOCK, config.kv_cache_dim)
+    lens = [17, 3, 30, 8, 12, 5]
+    _, blocks = _prefill(model, caches, lens, seed=4)
+    batch = ForwardBatch.build(
+        [[1], [2], [3, 4, 5], [6], [7, 8], [9]], lens, blocks, BLOCK, [True] * 6, "cpu"
+    )
+    threads = torch.get_num_threads()
+    outputs = []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            kv = caches.clone()
+            outputs.append((model(batch, kv), kv))
+    finally:
+        torch.set_num_threads(threads)
+    # threads split columns and (token, head) pairs, never a sum: the results are bit-identical
+    assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+
+
+def _random_model(placement: ExpertPlacement | None = None, seed: int = 0) -> DeepseekV3ForCausalLM:
+    config = ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        q_lora_rank=16,
+        max_position_embeddings=128,
+        num_nextn_predict_layers=1,
+    )
+    placements = None if placement is None else [placement] * len(config.moe_layer_ids)
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(config, placements)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.3)
+        for moe in model.moe_layers:  # replicas hold their expert's weights (its first slot's)
+            for slot, expert in enumerate(moe.slot_experts):
+                first = int(moe.placement.replicas[expert, 0])
+                moe.w13.data[slot], moe.w2.data[slot] = moe.w13[first], moe.w2[first]
+    model.rope.materialize(config)
+    for layer in list(model.layers) + [m.block for m in model.mtp]:
+        layer.self_attn.process_weights()
+    model.use_cpu_layouts()
+    return model.eval()
+
+
+@torch.inference_mode()
+def test_replicas_and_a_placement_switch_are_followed() -> None:
+    # 8 experts on 12 slots: experts 0-3 have two replicas each
+    placement = ExpertPlacement.initial(8, num_redundant=4)
+    model = _random_model(placement)
+    assert model.cpu_layers is not None
+    config = model.config
+    caches = torch.zeros(config.num_hidden_layers, 40, BLOCK, config.kv_cache_dim)
+    lens = [11, 7, 19, 3, 5]
+    _, blocks = _prefill(model, caches, lens, seed=3)
+    batch = ForwardBatch.build([[1], [2], [3], [4], [5]], lens, blocks, BLOCK, [True] * 5, "cpu")
+    first = _both_paths(model, batch, caches, placement.num_physical)
+    _assert_agree(first)
+    # another placement: the slots of experts 0 and 7 swapped, expert 5 in three slots, expert 1
+    # in one
+    moved = ExpertPlacement.from_slots([7, 1, 2, 3, 4, 5, 6, 0, 5, 5, 2, 3], 8)
+    for moe in model.moe_layers:
+        w13, w2 = moe.w13.data.clone(), moe.w2.data.clone()
+        moe.w13.data[0], moe.w13.data[7] = w13[7], w13[0]
+        moe.w2.data[0], moe.w2.data[7] = w2[7], w2[0]
+        for slot in (8, 9):  # held expert 0 and 1 (the initial replicas), now expert 5
+            moe.w13.data[slot], moe.w2.data[slot] = w13[5], w2[5]
+        moe.set_placement(moved)
+    results = _both_paths(model, batch, caches, moved.num_physical)
+    _assert_agree(results)
+    # the same tokens land on other slots now (and the outputs stay those of the same experts)
+    assert not torch.equal(results["c"][2]._current, first["c"][2]._current)
+    torch.testing.assert_close(results["c"][0], first["c"][0], rtol=1e-4, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_mtp_block_matches_the_torch_path() -> None:
+    model = _random_model()
+    config = model.config
+    caches = torch.zeros(1, 24, BLOCK, config.kv_cache_dim)
+    gen = torch.Generator().manual_seed(2)
+    batch = ForwardBatch.build([[3, 4, 5], [6]], [0, 0], [[1, 2], [3]], BLOCK, [True] * 2, "cpu")
+    prev = torch.randn(batch.num_tokens, config.hidden_size, generator=gen)
+    next_ids = torch.tensor([9, 10, 11, 12])
+    path = model.cpu_layers
+    model.cpu_layers = None
+    expected_kv = caches.clone()
+    expected = model.forward_mtp(next_ids, prev, batch, expected_kv)
+    model.cpu_layers = path
+    out = model.forward_mtp(next_ids, prev, batch, caches)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(caches, expected_kv, rtol=1e-5, atol=1e-5)
+
+
+class _OpCount(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@torch.inference_mode()
+def test_a_forward_is_a_few_ops_and_large_batches_take_torch() -> None:
+    model = _random_model()
+    config = model.config
+    caches = torch.zeros(config.num_hidden_layers, 40, BLOCK, config.kv_cache_dim)
+    small = ForwardBatch.build([[1], [2]], [0, 0], [[1], [2]], BLOCK, [True, True], "cpu")
+    with _OpCount() as c_ops:
+        model(small, caches)
+    path, model.cpu_layers = model.cpu_layers, None
+    with _OpCount() as torch_ops:
+        model(small, caches)
+    model.cpu_layers = path
+    assert c_ops.count <= 12 < torch_ops.count  # embedding, the kernel's inputs, the final norm
+    long = [list(range(1, 1 + cpu_path.MAX_TOKENS + 1))]
+    big = ForwardBatch.build(long, [0], [list(range(1, 19))], BLOCK, [True], "cpu")
+    assert path is not None and not path.takes(big, caches)
+    assert path.takes(small, caches) and not path.takes(small, caches.double())
+
+
+class _RemoteExperts(ExpertDispatcher):
+    def __call__(self, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        raise AssertionError("not called")
+
+
+def test_dep_and_the_switch_keep_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _random_model()
+    for moe in model.moe_layers:
+        moe.dispatcher = _RemoteExperts()
+    assert cpu_path.CpuLayerPath.build(model) is None
+    monkeypatch.setenv("PDMESH_CPU_LAYERS", "0")
+    assert not cpu_layers.enabled()
+
+
+def test_the_library_is_built_once_into_the_cache(tmp_path: Path) -> None:
+    script = (
+        "from pdmesh_kernels import cpu_layers as c; "
+        "print(c.library() is not None, sorted(p.name for p in c._cache_dir().iterdir()))"
+    )
+    env = {**os.environ, "PDMESH_KERNEL_CACHE": str(tmp_path)}
+    first = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    built = list(tmp_path.glob("pdmesh_layers-*.so"))
+    assert first.stdout.startswith("True") and len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    second = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert second.stdout == first.stdout and built[0].stat().st_mtime_ns == stamp
+    off = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**env, "PDMESH_CPU_LAYERS": "0"},
+        capture_output=True,
+        text=True,
+    )
+    assert off.stdout.startswith("False")
