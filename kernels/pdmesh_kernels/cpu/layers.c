@@ -52,14 +52,16 @@ enum { PAR_MIN_MACS = 1 << 14 };
  * aligned(4) makes loads and stores through it unaligned-safe. */
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 
-/* Register tiles: NT tokens x NV vectors of 8 columns of accumulators, one pass over W's rows,
- * each row's NV vectors loaded once for all NT tokens. */
+/* Register tiles: NT tokens x NV vectors of 8 columns of accumulators over rows [0, k) of W,
+ * each row's NV vectors loaded once for all NT tokens; added to Y, or stored where `first`. */
 #define TILE(NT, NV)                                                                             \
     static inline void tile_##NT##_##NV(const float *X, int64_t ldx, const float *W,            \
-                                        int64_t ldw, float *Y, int64_t ldy, int64_t k) {        \
+                                        int64_t ldw, float *Y, int64_t ldy, int64_t k,          \
+                                        int first) {                                             \
         v8 acc[NT][NV];                                                                          \
         _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                                     \
-            _Pragma("GCC unroll 8") for (int j = 0; j < NV; j++) acc[t][j] = (v8){0};            \
+            _Pragma("GCC unroll 8") for (int j = 0; j < NV; j++)                                 \
+                acc[t][j] = first ? (v8){0} : *(v8 *)(Y + t * ldy + 8 * j);                      \
         for (int64_t i = 0; i < k; i++) {                                                        \
             const v8 *w = (const v8 *)(W + i * ldw);                                             \
             v8 wv[NV];                                                                           \
@@ -84,10 +86,11 @@ TILE(1, 2)
 
 /* Columns [c0, c1) of rows [0, T) without a register tile (the ragged edge). */
 static void matmul_edge(const float *X, int64_t ldx, const float *W, int64_t ldw, float *Y,
-                        int64_t ldy, int64_t T, int64_t k, int64_t c0, int64_t c1) {
+                        int64_t ldy, int64_t T, int64_t k, int64_t c0, int64_t c1, int first) {
     for (int64_t t = 0; t < T; t++) {
         float *y = Y + t * ldy;
-        for (int64_t c = c0; c < c1; c++) y[c] = 0.0f;
+        if (first)
+            for (int64_t c = c0; c < c1; c++) y[c] = 0.0f;
         for (int64_t i = 0; i < k; i++) {
             const float xv = X[t * ldx + i];
             const float *w = W + i * ldw;
@@ -96,25 +99,41 @@ static void matmul_edge(const float *X, int64_t ldx, const float *W, int64_t ldw
     }
 }
 
-typedef void tile_fn(const float *, int64_t, const float *, int64_t, float *, int64_t, int64_t);
+typedef void tile_fn(const float *, int64_t, const float *, int64_t, float *, int64_t, int64_t, int);
 
-/* Y[t, c0:c1] = X[t, :k] @ W[:k, c0:c1] for t < T (single-threaded): tokens in groups of up to
- * 6 (6-3 tokens x 16 columns, 2-1 tokens x 32 then 16 columns per tile), ragged columns last. */
+enum { ROW_BLOCK = 16, PREFETCH_BLOCKS = 2 }; /* rows of W per sweep; blocks fetched ahead */
+
+/* Y[t, c0:c1] = X[t, :k] @ W[:k, c0:c1] for t < T (single-threaded). W is swept in blocks of
+ * ROW_BLOCK consecutive rows (contiguous memory, so the prefetchers stream it); within a block
+ * every column tile and token group runs from L1: up to 6 tokens in one tile (6-3 tokens x 16
+ * columns, 2-1 tokens x 32 then 16), more in groups of 6 over 16-column strips. Ragged columns
+ * last. */
 static void matmul_cols(const float *X, int64_t ldx, const float *W, int64_t ldw, float *Y,
                         int64_t ldy, int64_t T, int64_t k, int64_t c0, int64_t c1) {
     static tile_fn *const tiles[7] = {0, tile_1_4, tile_2_4, tile_3_2, tile_4_2, tile_5_2, tile_6_2};
-    static tile_fn *const narrow[3] = {0, tile_1_2, tile_2_2};
-    for (int64_t t = 0; t < T;) {
-        const int64_t nt = MIN(6, T - t), width = nt > 2 ? 16 : 32;
-        const float *x = X + t * ldx;
+    static tile_fn *const strips[7] = {0, tile_1_2, tile_2_2, tile_3_2, tile_4_2, tile_5_2, tile_6_2};
+    const int64_t width = T > 2 ? 16 : 32;
+    for (int64_t i0 = 0; i0 < k; i0 += ROW_BLOCK) {
+        const int64_t rows = MIN(ROW_BLOCK, k - i0);
+        const int first = i0 == 0;
+        const float *w = W + i0 * ldw, *x = X + i0;
+        /* prefetch ahead: the first blocks at the start, then the block PREFETCH_BLOCKS ahead */
+        for (int64_t i = i0 ? i0 + PREFETCH_BLOCKS * ROW_BLOCK : 0;
+             i < MIN(k, i0 + (PREFETCH_BLOCKS + 1) * ROW_BLOCK); i++)
+            for (int64_t c = c0; c < c1; c += 16) __builtin_prefetch(W + i * ldw + c);
         int64_t c = c0;
-        for (; c + width <= c1; c += width) tiles[nt](x, ldx, W + c, ldw, Y + t * ldy + c, ldy, k);
-        if (nt <= 2 && c + 16 <= c1) {
-            narrow[nt](x, ldx, W + c, ldw, Y + t * ldy + c, ldy, k);
-            c += 16;
+        if (T > 6) {
+            for (; c + 16 <= c1; c += 16)
+                for (int64_t t = 0; t < T; t += 6)
+                    strips[MIN(6, T - t)](x + t * ldx, ldx, w + c, ldw, Y + t * ldy + c, ldy, rows, first);
+        } else {
+            for (; c + width <= c1; c += width) tiles[T](x, ldx, w + c, ldw, Y + c, ldy, rows, first);
+            if (T <= 2 && c + 16 <= c1) {
+                strips[T](x, ldx, w + c, ldw, Y + c, ldy, rows, first);
+                c += 16;
+            }
         }
-        matmul_edge(x, ldx, W, ldw, Y + t * ldy, ldy, nt, k, c, c1);
-        t += nt;
+        matmul_edge(x, ldx, w, ldw, Y, ldy, T, rows, c, c1, first);
     }
 }
 
@@ -168,6 +187,29 @@ static void rms_norm(const float *x, const float *w, float *y, int64_t n, float 
 }
 
 static inline float silu(float v) { return v / (1.0f + expf(-v)); }
+
+typedef int32_t vi8 __attribute__((vector_size(32), aligned(4)));
+
+/* exp(x) for x <= 0 (softmax numerators), 8 lanes at a time: Cephes' range reduction
+ * x = n ln2 + r and degree-6 polynomial (about 1 ulp); below -87 it returns exp(-87) ~ 1.6e-38,
+ * which no softmax sum notices. */
+static inline v8 exp_nonpositive(v8 x) {
+    const v8 floor_x = (v8){0} - 87.0f;
+    const vi8 below = x < floor_x;
+    x = (v8)((below & (vi8)floor_x) | (~below & (vi8)x));
+    const v8 y = x * 1.44269504088896341f + 0.5f;
+    vi8 n = __builtin_convertvector(y, vi8); /* truncation: one too high where y < 0 */
+    n += __builtin_convertvector(n, v8) > y;  /* -1 there: floor(y) */
+    const v8 nf = __builtin_convertvector(n, v8);
+    const v8 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+    v8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return p * (v8)((n + 127) << 23);
+}
 
 /* Rope as the engine's RotaryEmbedding: with interleave the pairs are (x0, x1), (x2, x3), ...
  * and the output is de-interleaved; out = y * cos + swap(y) * sin. In place on x [R]. */
@@ -300,26 +342,41 @@ static void attention(const pd_dims *d, const pd_layer *l, const pd_batch *b, fl
             const int32_t *table = b->block_tables + b->token_seq[t] * b->block_table_stride;
             float best[256], total[256]; /* per head: running max, then the softmax sum */
             for (int64_t j = 0; j < nh; j++) best[j] = -INFINITY, total[j] = 0.0f;
-            for (int64_t s = 0; s < ctx; s++) { /* scores: each cached row read once */
-                const float *row = kv_cache + ((int64_t)table[s / BS] * BS + s % BS) * E;
-                float dots[256];
-                dot_rows(qc, nh, E, row, dots);
-                for (int64_t j = 0; j < nh; j++) {
-                    const float sc = dots[j] * d->attn_scale;
-                    scores[j * ctx + s] = sc;
-                    best[j] = sc > best[j] ? sc : best[j];
+            for (int64_t s0 = 0; s0 < ctx; s0 += BS) { /* scores: each cached row read once */
+                const float *block = kv_cache + (int64_t)table[s0 / BS] * BS * E;
+                for (int64_t s = s0; s < MIN(ctx, s0 + BS); s++) {
+                    float dots[256];
+                    dot_rows(qc, nh, E, block + (s - s0) * E, dots);
+                    for (int64_t j = 0; j < nh; j++) {
+                        const float sc = dots[j] * d->attn_scale;
+                        scores[j * ctx + s] = sc;
+                        best[j] = sc > best[j] ? sc : best[j];
+                    }
                 }
             }
             for (int64_t j = 0; j < nh; j++) {
                 float *sj = scores + j * ctx;
-                for (int64_t s = 0; s < ctx; s++) total[j] += sj[s] = expf(sj[s] - best[j]);
-                for (int64_t s = 0; s < ctx; s++) sj[s] /= total[j];
+                v8 sum = {0}, tail = {0};
+                int64_t s = 0;
+                for (; s + 8 <= ctx; s += 8) {
+                    const v8 e = exp_nonpositive(*(v8 *)(sj + s) - best[j]);
+                    *(v8 *)(sj + s) = e;
+                    sum += e;
+                }
+                for (int64_t i = 0; s + i < ctx; i++) tail[i] = sj[s + i] - best[j];
+                tail = exp_nonpositive(tail);
+                for (int64_t i = 0; s + i < ctx; i++) sum[i] += sj[s + i] = tail[i];
+                total[j] = hsum(sum);
             }
             memset(acc, 0, sizeof(float) * nh * L);
-            for (int64_t s = 0; s < ctx; s++) { /* probabilities @ latents, each row read once */
-                const float *row = kv_cache + ((int64_t)table[s / BS] * BS + s % BS) * E;
-                for (int64_t j = 0; j < nh; j++) axpy(acc + j * L, scores[j * ctx + s], row, L);
+            for (int64_t s0 = 0; s0 < ctx; s0 += BS) { /* probabilities @ latents, rows once */
+                const float *block = kv_cache + (int64_t)table[s0 / BS] * BS * E;
+                for (int64_t s = s0; s < MIN(ctx, s0 + BS); s++)
+                    for (int64_t j = 0; j < nh; j++)
+                        axpy(acc + j * L, scores[j * ctx + s], block + (s - s0) * E, L);
             }
+            for (int64_t j = 0; j < nh; j++) /* normalise: sum_s p_s c_s / sum_s p_s */
+                for (int64_t i = 0; i < L; i++) acc[j * L + i] /= total[j];
             for (int64_t j = 0; j < nh; j++) /* values: latent [L] @ w_uv[h] [L, V] */
                 matmul_cols(acc + j * L, L, l->w_uv + (h0 + j) * L * V, V,
                             o + (t * H + h0 + j) * V, V, 1, L, 0, V);
