@@ -8,7 +8,7 @@
   between steps are followed, with the same recorded slots as the torch path;
 - the MTP block agrees too;
 - a forward on the C path runs a handful of aten ops whatever the layer count; batches above
-  `MAX_TOKENS` take the torch path; DEP (experts on other ranks) and `PDMESH_CPU_LAYERS=0` keep
+  `MAX_TOKENS` (decodes: `MAX_DECODES`) take the torch path; DEP (experts on other ranks) and `PDMESH_CPU_LAYERS=0` keep
   the torch path;
 - the library is compiled once into the kernel cache and loaded from there afterwards.
 """
@@ -245,8 +245,14 @@ def test_a_forward_is_a_few_ops_and_large_batches_take_torch() -> None:
     model.cpu_layers = path
     assert c_ops.count <= 12 < torch_ops.count  # embedding, the kernel's inputs, the final norm
     long = [list(range(1, 1 + cpu_path.MAX_TOKENS + 1))]
-    big = ForwardBatch.build(long, [0], [list(range(1, 19))], BLOCK, [True], "cpu")
+    blocks = [list(range(1, 2 + cpu_path.MAX_TOKENS // BLOCK))]
+    big = ForwardBatch.build(long, [0], blocks, BLOCK, [True], "cpu")
     assert path is not None and not path.takes(big, caches)
+    many = cpu_path.MAX_TOKENS + 1  # as many single-token decodes do take the C path
+    decodes = ForwardBatch.build(
+        [[1]] * many, [0] * many, [[1]] * many, BLOCK, [True] * many, "cpu"
+    )
+    assert path.takes(decodes, caches)
     assert path.takes(small, caches) and not path.takes(small, caches.double())
 
 

@@ -1,8 +1,8 @@
 """The small-batch CPU path: a model's decoder layers as one C call (`pdmesh_kernels.cpu_layers`).
 
 Selected automatically per forward: CPU, fp32, in-process experts, at most `MAX_TOKENS` tokens
-(decodes, speculative verify chunks, short prefill chunks). Larger batches keep the torch path,
-whose GEMMs win there. Every token attends, in the absorbed form, to its own sequence's cached
+(`MAX_DECODES` when the batch is decodes only). Larger batches (long prefill chunks) keep the
+torch path, whose GEMMs win there. Every token attends, in the absorbed form, to its own sequence's cached
 latents up to its position; the batch's latents are written to the cache first, so a chunk's tokens
 see each other causally.
 
@@ -34,7 +34,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_TOKENS = 64  # from here on the torch path's GEMMs are faster (measured: see the README)
+# The C path runs batches up to these sizes; above, the torch path's GEMMs catch up. Measured on
+# `coder` (2 threads, context 256, median ms per forward, C | torch): decodes 32: 7.8 | 15.9,
+# 128: 20.5 | 42.9, 256: 38.2 | 78.4; one prefill chunk 64: 10.1 | 18.2, 128: 17.7 | 27.5,
+# 192: 32.0 | 40.5, 256: 40.3 | 40.2.
+MAX_TOKENS = 128  # any batch (prefill chunks, speculative verify chunks, decodes)
+MAX_DECODES = 256  # a batch of single-token decodes only
 
 
 def _t(linear: nn.Linear) -> torch.Tensor:
@@ -78,7 +83,7 @@ class CpuLayerPath:
             _fill(table, layer)
         for table, layer in zip(self.mtp_tables, self.mtp_layers, strict=True):
             _fill(table, layer)
-        self._arange = torch.arange(MAX_TOKENS)
+        self._arange = torch.arange(MAX_DECODES)
 
     @classmethod
     def build(cls, model: DeepseekV3ForCausalLM) -> CpuLayerPath | None:
@@ -95,8 +100,9 @@ class CpuLayerPath:
             return None
 
     def takes(self, batch: ForwardBatch, kv_caches: torch.Tensor) -> bool:
+        decodes_only = batch.num_decodes == batch.num_tokens
         return (
-            batch.num_tokens <= MAX_TOKENS
+            batch.num_tokens <= (MAX_DECODES if decodes_only else MAX_TOKENS)
             and kv_caches.dtype == torch.float32
             and kv_caches.device.type == "cpu"
             and max(batch.seq_len_list) <= self.model.rope.cos.shape[0]
