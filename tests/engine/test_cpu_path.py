@@ -8,8 +8,8 @@
   between steps are followed, with the same recorded slots as the torch path;
 - the MTP block agrees too;
 - a forward on the C path runs a handful of aten ops whatever the layer count; batches above
-  `MAX_TOKENS` (decodes: `MAX_DECODES`) take the torch path; DEP (experts on other ranks) and `PDMESH_CPU_LAYERS=0` keep
-  the torch path;
+  `MAX_TOKENS` (decodes: `MAX_DECODES`) take the torch path; DEP (experts on other ranks) and
+  `PDMESH_CPU_LAYERS=0` keep the torch path;
 - the library is compiled once into the kernel cache and loaded from there afterwards.
 """
 

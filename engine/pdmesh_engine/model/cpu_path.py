@@ -2,9 +2,9 @@
 
 Selected automatically per forward: CPU, fp32, in-process experts, at most `MAX_TOKENS` tokens
 (`MAX_DECODES` when the batch is decodes only). Larger batches (long prefill chunks) keep the
-torch path, whose GEMMs win there. Every token attends, in the absorbed form, to its own sequence's cached
-latents up to its position; the batch's latents are written to the cache first, so a chunk's tokens
-see each other causally.
+torch path, whose GEMMs win there. Every token attends, in the absorbed form, to its own
+sequence's cached latents up to its position; the batch's latents are written to the cache
+first, so a chunk's tokens see each other causally.
 
 The layer tables (`pdmesh_kernels.cpu_layers.Layer`) point at the model's own parameters, stored
 for this path at load time (`DeepseekV3ForCausalLM.use_cpu_layouts`): linear weights as [in, out],
