@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from small_models import small_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pdmesh_engine.config import ModelConfig
@@ -91,30 +92,6 @@ def test_expert_rows_agree_between_layouts_and_in_bf16() -> None:
     torch.testing.assert_close(out.float(), ref, rtol=5e-2, atol=5e-2)
 
 
-def _config(**overrides: Any) -> ModelConfig:
-    settings: dict[str, Any] = dict(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        n_routed_experts=8,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        first_k_dense_replace=1,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-        q_lora_rank=16,
-        max_position_embeddings=128,
-    )
-    return ModelConfig(**{**settings, **overrides})
-
-
 def _moe(config: ModelConfig, seed: int = 0) -> MoE:
     torch.manual_seed(seed)
     placement = ExpertPlacement.initial(config.n_routed_experts, num_redundant=2)
@@ -126,7 +103,7 @@ def _moe(config: ModelConfig, seed: int = 0) -> MoE:
 
 
 def test_row_tables_keep_their_layout_through_slot_writes() -> None:
-    moe = _moe(_config())
+    moe = _moe(small_config())
     before = (moe.w13.detach().clone(), moe.w2.detach().clone())
     moe.use_row_tables()
     assert has_row_tables(moe.w13, moe.w2)
@@ -154,7 +131,7 @@ class _OpLog(TorchDispatchMode):
 
 @torch.inference_mode()
 def test_moe_op_count_does_not_grow_with_the_batch() -> None:
-    moe = _moe(_config())
+    moe = _moe(small_config())
     moe.use_row_tables()
     logs = {}
     for num_tokens in (1, 24):
@@ -257,7 +234,7 @@ def test_decode_gather_chunks_by_rows_and_skips_prefills() -> None:
 
 @torch.inference_mode()
 def test_cpu_layouts_keep_weights_and_logits() -> None:
-    config = _config()
+    config = small_config()
     torch.manual_seed(5)
     model = DeepseekV3ForCausalLM(config, load_mtp=False)
     with torch.no_grad():

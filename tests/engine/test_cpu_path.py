@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from small_models import small_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pdmesh_engine.config import ModelConfig
@@ -134,25 +135,11 @@ def test_two_threads_give_the_one_thread_result() -> None:
 
 
 def _random_model(placement: ExpertPlacement | None = None, seed: int = 0) -> DeepseekV3ForCausalLM:
-    config = ModelConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        moe_intermediate_size=16,
+    config = small_config(
         num_hidden_layers=3,
-        num_attention_heads=2,
-        n_routed_experts=8,
-        n_shared_experts=1,
         num_experts_per_tok=3,
         n_group=4,
         topk_group=2,
-        first_k_dense_replace=1,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-        q_lora_rank=16,
-        max_position_embeddings=128,
         num_nextn_predict_layers=1,
     )
     placements = None if placement is None else [placement] * len(config.moe_layer_ids)
