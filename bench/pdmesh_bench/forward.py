@@ -345,6 +345,7 @@ def summarize(
     args: argparse.Namespace, runner: ModelRunner, batch: ForwardBatch, times: list[float]
 ) -> dict:
     median = percentile(times, 50)
+    cpu_layers = runner.model.cpu_layers
     return {
         "phase": args.phase,
         "batch": args.batch,
@@ -359,6 +360,10 @@ def summarize(
         "dtype": str(runner.dtype).removeprefix("torch."),
         "device": str(runner.device),
         "threads": torch.get_num_threads(),
+        # which path ran the layers: "c" (pdmesh_engine.model.cpu_path, one C call) or "torch"
+        "layer_path": "c"
+        if cpu_layers is not None and cpu_layers.takes(batch, runner.kv_caches)
+        else "torch",
         "kv_bytes_per_token": runner.kv_layout.bytes_per_token,
         **rss_snapshot(),
     }
@@ -368,7 +373,7 @@ def print_summary(r: dict) -> None:
     print(
         f"{r['phase']}  batch {r['batch']}  context {r['context']}  ({r['num_tokens']} tokens, "
         f"{r['dtype']}, "
-        f"{r['device']}, {r['threads']} threads)"
+        f"{r['device']}, {r['threads']} threads, {r['layer_path']} layer path)"
     )
     print(
         f"  median {r['median_ms']:.2f} ms   p90 {r['p90_ms']:.2f} ms   min {r['min_ms']:.2f} ms   "

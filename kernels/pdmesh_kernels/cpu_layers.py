@@ -138,12 +138,14 @@ def build(compiler: str) -> Path:
     return target
 
 
-@cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel (built on first call), or None: disabled, no compiler, or the build
-    failed (logged once)."""
-    if not enabled():
-        return None
+    """The compiled kernel (built on first use), or None: disabled (`PDMESH_CPU_LAYERS=0`, read at
+    every call), no compiler, or the build failed (logged once)."""
+    return _library() if enabled() else None
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
     compiler = _compiler()
     if compiler is None:
         log.warning("no C compiler found: the CPU layer kernel is off (torch path)")

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pdmesh.cli.main import main
+from pdmesh_kernels import cpu_layers
 
 
 def _positive(value: object) -> bool:
@@ -68,8 +69,13 @@ def test_bench_engine_quick(
 
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
 def test_bench_forward_quick(
-    tiny_model: Path, tmp_path: Path, phase: str, capsys: pytest.CaptureFixture
+    tiny_model: Path,
+    tmp_path: Path,
+    phase: str,
+    capsys: pytest.CaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setenv("PDMESH_CPU_LAYERS", "0")  # the torch path, whose modules profile
     out = tmp_path / "forward.json"
     argv = [
         "bench",
@@ -84,7 +90,7 @@ def test_bench_forward_quick(
     ]
     assert main(argv + (["--profile"] if phase == "decode" else [])) == 0
     result = json.loads(out.read_text())
-    assert result["phase"] == phase
+    assert result["phase"] == phase and result["layer_path"] == "torch"
     assert result["num_tokens"] == result["batch"] * (1 if phase == "decode" else result["context"])
     for key in ("median_ms", "p90_ms", "tokens_per_s", "kv_bytes_per_token"):
         assert _positive(result[key]), (key, result[key])
@@ -98,3 +104,14 @@ def test_bench_forward_quick(
         ops = result["op_counts"]
         assert ops["total"] >= sum(ops["per_layer"]) > 0 and ops["moe_layer"] > ops["dense_layer"]
         assert "Self CPU" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(cpu_layers.library() is None, reason="no C compiler: no CPU layer path")
+def test_bench_forward_on_the_c_layer_path(tiny_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "forward.json"
+    argv = ["bench", "forward", "--model", str(tiny_model), "--quick", "--phase", "decode"]
+    assert main([*argv, "--profile", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["layer_path"] == "c" and _positive(result["median_ms"])
+    ops = result["op_counts"]  # the layers run in one C call: no aten op inside any layer
+    assert sum(ops["per_layer"]) == 0 and 0 < ops["total"] <= 12
