@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_cpu_decode import _config as small_config
+from small_models import small_config
 
 from pdmesh_engine.config import ModelConfig
 from pdmesh_engine.cpu_dtype import BF16_MIN_HIDDEN, auto_cpu_dtype, has_native_bf16
