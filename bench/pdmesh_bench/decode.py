@@ -2,8 +2,9 @@
 4, ...
 
 For each n of `--dep`, n spawned rank processes (gloo on loopback, `run_ranks`) each build an engine
-(DEP1: the plain `EngineCore`, experts in-process through the local dispatcher; n > 1: `init_dep` +
-`EngineCore(dep=...)`, the all-to-all dispatcher and the lockstep DP sync) with
+(DEP1: the plain `EngineCore` on its torch layer path, experts in-process through the local
+dispatcher; n > 1: `init_dep` + `EngineCore(dep=...)`, the all-to-all dispatcher and the lockstep
+DP sync) with
 `torch.set_num_threads(max(1, cores // n))`. No prefill runs: each rank `reserve`s R requests of C
 random prompt tokens, writes N(0, 1) into their KV blocks (the scale of real entries: the latent
 after its RMSNorm and the rope key of a unit-RMS hidden state) and calls `kv_arrived(id,
@@ -166,6 +167,9 @@ def build_engine(
         num_threads=threads,
     )
     if world == 1:
+        # The torch layer path, as on the DEP ranks (which have no C path): the same code is
+        # compared, and its attention and experts are modules the hooks can time.
+        os.environ["PDMESH_CPU_LAYERS"] = "0"
         return EngineCore(model_dir, config)
     from pdmesh_engine.parallel.dep import DEPConfig, init_dep
 
