@@ -113,10 +113,17 @@ def test_c_path_matches_the_torch_path(reference_models: dict, name: str, kind: 
 
 @torch.inference_mode()
 def test_two_threads_give_the_one_thread_result() -> None:
-    model = _random_model()
+    # wide enough that every parallel region of the kernel runs threaded (PAR_MIN_MACS)
+    wide = dict(
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        max_position_embeddings=256,
+    )
+    model = _random_model(num_attention_heads=4, kv_lora_rank=64, q_lora_rank=64, **wide)
     config = model.config
-    caches = torch.zeros(config.num_hidden_layers, 64, BLOCK, config.kv_cache_dim)
-    lens = [17, 3, 30, 8, 12, 5]
+    caches = torch.zeros(config.num_hidden_layers, 160, BLOCK, config.kv_cache_dim)
+    lens = [97, 3, 130, 8, 72, 45]
     _, blocks = _prefill(model, caches, lens, seed=4)
     batch = ForwardBatch.build(
         [[1], [2], [3, 4, 5], [6], [7, 8], [9]], lens, blocks, BLOCK, [True] * 6, "cpu"
@@ -134,13 +141,18 @@ def test_two_threads_give_the_one_thread_result() -> None:
     assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
 
 
-def _random_model(placement: ExpertPlacement | None = None, seed: int = 0) -> DeepseekV3ForCausalLM:
+def _random_model(
+    placement: ExpertPlacement | None = None, seed: int = 0, **overrides: Any
+) -> DeepseekV3ForCausalLM:
     config = small_config(
-        num_hidden_layers=3,
-        num_experts_per_tok=3,
-        n_group=4,
-        topk_group=2,
-        num_nextn_predict_layers=1,
+        **{
+            "num_hidden_layers": 3,
+            "num_experts_per_tok": 3,
+            "n_group": 4,
+            "topk_group": 2,
+            "num_nextn_predict_layers": 1,
+            **overrides,
+        }
     )
     placements = None if placement is None else [placement] * len(config.moe_layer_ids)
     torch.manual_seed(seed)

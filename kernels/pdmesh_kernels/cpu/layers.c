@@ -345,9 +345,12 @@ static void attention(const pd_dims *d, const pd_layer *l, const pd_batch *b, fl
         memcpy(row + L, src + L, R * sizeof(float));
         rope(row + L, b->rope_cos + pos * R, b->rope_sin + pos * R, R, (int)d->rope_interleave);
     }
-    /* work items: a token's heads [h0, h1); with fewer tokens than threads the heads are split */
+    /* work items: a token's heads [h0, h1); with fewer tokens than threads the heads are split.
+     * Threads only when the scores and sums are worth waking them for. */
+    int64_t macs = 0;
+    for (int64_t t = 0; t < T; t++) macs += (b->positions[t] + 1) * H * (E + L);
     const int64_t groups = T >= nt ? 1 : MIN(H, nt), per = (H + groups - 1) / groups;
-#pragma omp parallel num_threads(T * groups > 1 ? nt : 1)
+#pragma omp parallel num_threads(T * groups > 1 && macs >= PAR_MIN_MACS ? nt : 1)
     {
         int64_t cap = 0;
         float *scores = NULL, *acc = malloc(sizeof(float) * per * L);
@@ -511,7 +514,8 @@ static void moe(const pd_dims *d, const pd_layer *l, const float *h, float *x, i
     }
     const int64_t SW = l->mlp_width; /* shared experts' width (0: none) */
     /* units: -1 the shared experts (all T tokens; the biggest, handed out first), p >= 0 slot p */
-#pragma omp parallel num_threads(TK + (SW > 0) > 1 ? nt : 1)
+    const int64_t expert_macs = (TK * I + T * SW) * 3 * D; /* threads only when worth it */
+#pragma omp parallel num_threads(TK + (SW > 0) > 1 && expert_macs >= PAR_MIN_MACS ? nt : 1)
     {
         const int64_t slot_floats = T * (2 * D + 3 * I), shared_floats = T * 3 * SW;
         float *rows = malloc(sizeof(float) * (slot_floats > shared_floats ? slot_floats : shared_floats));
