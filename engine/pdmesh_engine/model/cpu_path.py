@@ -25,7 +25,7 @@ from torch import nn
 
 from pdmesh_engine.forward_batch import ForwardBatch
 from pdmesh_engine.model.layers import DenseMLP
-from pdmesh_engine.model.moe import ExpertLoadRecorder, LocalDispatcher, MoE
+from pdmesh_engine.model.moe import ExpertLoadRecorder, ExpertPlacement, LocalDispatcher, MoE
 from pdmesh_kernels import cpu_layers
 from pdmesh_kernels.cpu_layers import Dims, Layer, f32, i64
 
@@ -83,6 +83,8 @@ class CpuLayerPath:
             _fill(table, layer)
         for table, layer in zip(self.mtp_tables, self.mtp_layers, strict=True):
             _fill(table, layer)
+        # the placement each MoE table points at, by its layer (re-pointed when EPLB swaps it)
+        self._placements: dict[int, ExpertPlacement] = {}
         self._arange = torch.arange(MAX_DECODES)
 
     @classmethod
@@ -153,8 +155,10 @@ class CpuLayerPath:
     def _refresh_placements(self, tables: ctypes.Array[Layer], layers: list[DecoderLayer]) -> None:
         """Point the MoE tables at the placements running now (EPLB swaps them between steps)."""
         for table, layer in zip(tables, layers, strict=True):
-            if isinstance(layer.mlp, MoE):
-                _set_placement(table, layer.mlp)
+            moe = layer.mlp
+            if isinstance(moe, MoE) and self._placements.get(id(layer)) is not moe.placement:
+                _set_placement(table, moe)
+                self._placements[id(layer)] = moe.placement
 
 
 def _unsupported(model: DeepseekV3ForCausalLM) -> str | None:

@@ -105,8 +105,11 @@ class MTPLayer(nn.Module):
         rope: RotaryEmbedding,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(prev_hidden)), dim=-1))
-        return self.block(x, batch, kv_cache, rope, meta)
+        return self.block(self.block_input(embeds, prev_hidden), batch, kv_cache, rope, meta)
+
+    def block_input(self, embeds: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
+        """eh_proj(cat(enorm(embeds), hnorm(prev_hidden))): the block's input [T, D]."""
+        return self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(prev_hidden)), dim=-1))
 
 
 class DeepseekV3ForCausalLM(nn.Module):
@@ -213,8 +216,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         token t + 1)), hnorm(h_t))); rope at position t."""
         mtp = self.mtp[0]
         if self.cpu_layers is not None and self.cpu_layers.takes(batch, mtp_kv_caches):
-            embeds = mtp.enorm(self.embed_tokens(next_ids))
-            x = mtp.eh_proj(torch.cat((embeds, mtp.hnorm(prev_hidden)), dim=-1))
+            x = mtp.block_input(self.embed_tokens(next_ids), prev_hidden)
             return self.cpu_layers.run(x, batch, mtp_kv_caches, mtp=True)
         meta = self.attention_metadata(batch, mtp_kv_caches)
         return mtp(
