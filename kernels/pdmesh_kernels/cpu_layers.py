@@ -160,7 +160,19 @@ def _library() -> ctypes.CDLL | None:
         ctypes.POINTER(Dims), ctypes.POINTER(Layer), ctypes.c_int64, _f32, ctypes.c_int64,
         _i64, _i64, _i64, _i32, ctypes.c_int64, _f32, _f32, _f32, ctypes.c_int64, _i64, _f32,
     ]  # fmt: skip
+    lib.pd_matmul.restype = None
+    lib.pd_matmul.argtypes = [_f32, _f32, _f32, *(ctypes.c_int64,) * 4]
     return lib
+
+
+def matmul(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, num_threads: int) -> torch.Tensor:
+    """x [T, k] @ w [k, n] -> [T, n], all fp32 contiguous CPU tensors (the C products, which stay
+    bound by reading w at a few rows where a BLAS GEMM of that shape is not)."""
+    if not (x.is_contiguous() and w.is_contiguous()) or x.shape[1] != w.shape[0]:
+        raise ValueError(f"matmul needs contiguous [T, k] @ [k, n]: {tuple(x.shape)} @ {tuple(w.shape)}")
+    y = torch.empty(x.shape[0], w.shape[1], dtype=torch.float32)
+    lib.pd_matmul(f32(x), f32(w), f32(y), x.shape[0], x.shape[1], w.shape[1], num_threads)
+    return y
 
 
 def forward_layers(

@@ -6,7 +6,8 @@
   mixed, the hidden states, the cache entries written and the expert loads recorded agree;
 - a placement with replicas (slots chosen by token index) and a switch to another placement
   between steps are followed, with the same recorded slots as the torch path;
-- the MTP block agrees too;
+- the MTP block agrees too, and so do the heads' logits (the C product up to `MAX_LOGIT_ROWS`
+  rows, torch above);
 - a forward on the C path runs a handful of aten ops whatever the layer count; batches above
   `MAX_TOKENS` (decodes: `MAX_DECODES`) take the torch path; DEP (experts on other ranks) and
   `PDMESH_CPU_LAYERS=0` keep the torch path;
@@ -218,6 +219,23 @@ def test_mtp_block_matches_the_torch_path() -> None:
     out = model.forward_mtp(next_ids, prev, batch, caches)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(caches, expected_kv, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7, cpu_path.MAX_LOGIT_ROWS, cpu_path.MAX_LOGIT_ROWS + 1])
+@torch.inference_mode()
+def test_the_heads_match_torch_and_many_rows_take_torch(rows: int) -> None:
+    model = _random_model()
+    x = torch.randn(rows, model.config.hidden_size, generator=torch.Generator().manual_seed(rows))
+    path = model.cpu_layers
+    assert path is not None
+    expected = model.lm_head(x)
+    expected_mtp = model.mtp[0].shared_head(model.mtp[0].shared_head_norm(x))
+    by_c = path.logits(x, model.lm_head)
+    assert (by_c is None) == (rows > cpu_path.MAX_LOGIT_ROWS)
+    if by_c is not None:
+        torch.testing.assert_close(by_c, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(model.compute_logits(x), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(model.compute_mtp_logits(x), expected_mtp, rtol=1e-4, atol=1e-4)
 
 
 class _OpCount(TorchDispatchMode):

@@ -199,7 +199,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         return AttentionMetadata(cos, sin, gather)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self._head(hidden, self.lm_head)
 
     def forward_mtp(
         self,
@@ -227,7 +227,15 @@ class DeepseekV3ForCausalLM(nn.Module):
         """x [S, D] (`forward_mtp` rows) -> [S, vocab] fp32: the MTP layer's own head (predicts the
         token two places after the row's position)."""
         mtp = self.mtp[0]
-        return mtp.shared_head(mtp.shared_head_norm(x)).float()
+        return self._head(mtp.shared_head_norm(x), mtp.shared_head)
+
+    def _head(self, x: torch.Tensor, head: nn.Linear) -> torch.Tensor:
+        """x [S, D] -> logits [S, V] fp32: the C product for a few rows on the CPU path."""
+        if self.cpu_layers is not None:
+            logits = self.cpu_layers.logits(x, head)
+            if logits is not None:
+                return logits
+        return head(x).float()
 
     # ----- weights -----
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -594,3 +594,8 @@ int pd_forward_layers(const pd_dims *d, const pd_layer *layers, int64_t num_laye
     free(h);
     return 0;
 }
+
+/* Y [T, n] = X [T, k] @ W [k, n] with `nt` threads: the heads' logits of a few rows. */
+void pd_matmul(const float *X, const float *W, float *Y, int64_t T, int64_t k, int64_t n, int64_t nt) {
+    matmul(X, W, Y, T, k, n, (int)nt);
+}
