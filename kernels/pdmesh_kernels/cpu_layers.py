@@ -169,7 +169,9 @@ def matmul(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, num_threads: int)
     """x [T, k] @ w [k, n] -> [T, n], all fp32 contiguous CPU tensors (the C products, which stay
     bound by reading w at a few rows where a BLAS GEMM of that shape is not)."""
     if not (x.is_contiguous() and w.is_contiguous()) or x.shape[1] != w.shape[0]:
-        raise ValueError(f"matmul needs contiguous [T, k] @ [k, n]: {tuple(x.shape)} @ {tuple(w.shape)}")
+        raise ValueError(
+            f"matmul needs contiguous [T, k] @ [k, n]: {tuple(x.shape)} @ {tuple(w.shape)}"
+        )
     y = torch.empty(x.shape[0], w.shape[1], dtype=torch.float32)
     lib.pd_matmul(f32(x), f32(w), f32(y), x.shape[0], x.shape[1], w.shape[1], num_threads)
     return y
