@@ -28,6 +28,6 @@ pip install --config-settings editable_mode=compat "${editable[@]}" -e ".[test]"
   || { echo "setup: the install is broken" >&2; exit 1; }
 # The CPU layer kernel (C, OpenMP) is compiled once per machine into ~/.cache/pdmesh/kernels; do it
 # now rather than in the first request. Without a C compiler the engine keeps its torch path.
-.venv/bin/python -c "from pdmesh_kernels import cpu_layers; cpu_layers.library()" \
+.venv/bin/python -c "import torch; from pdmesh_kernels import cpu_layers as c; c.library(); c.library(torch.bfloat16)" \
   || echo "setup: the CPU layer kernel did not build (the engine uses its torch path)" >&2
 echo "setup: ready (.venv/bin/pdmesh)" >&2

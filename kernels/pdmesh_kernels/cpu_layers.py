@@ -3,8 +3,9 @@
 At one user a decode step of the torch path is ~100 small ops per layer, each paying Python and
 dispatch overhead that is larger than its arithmetic. `cpu/layers.c` runs whole layers (MLA over
 the paged latent cache, routing, experts, shared experts) with no Python in between: the batch's
-tensors and the weights go in as pointers, fp32 throughout, threads by OpenMP (the runtime torch
-already loaded, so the two share one thread pool).
+tensors and the weights go in as pointers, threads by OpenMP (the runtime torch already loaded, so
+the two share one thread pool). Two builds of the one source: fp32 weights and KV cache, or bf16
+weights and KV cache (`-DPD_BF16`); activations and sums are fp32 in both.
 
 The library is compiled on first use with the system C compiler (`$CC`, else `cc`; -O3
 -march=native -fopenmp) into a cache folder (`$PDMESH_KERNEL_CACHE`, else
@@ -34,6 +35,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "cpu" / "layers.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-Wall")
+# the element types a build stores its weights and KV cache in, and the flags that select them
+DTYPE_FLAGS = {torch.float32: (), torch.bfloat16: ("-DPD_BF16",)}
 _f32 = ctypes.POINTER(ctypes.c_float)
 _i64 = ctypes.POINTER(ctypes.c_int64)
 _i32 = ctypes.POINTER(ctypes.c_int32)
@@ -52,16 +55,18 @@ class Dims(ctypes.Structure):
     ]  # fmt: skip
 
 
+_w = ctypes.c_void_p  # a weight: fp32 or bf16, the build's element type (`weights`)
+
+
 class Layer(ctypes.Structure):
     _fields_ = [
-        *((name, _f32) for name in (
-            "input_norm", "post_norm", "q_a", "q_a_norm", "q_b", "q_proj", "kv_a", "kv_a_norm",
-            "w_uk", "w_uv", "o_proj", "q_a_bias", "kv_a_bias", "o_bias",
-        )),
+        ("input_norm", _f32), ("post_norm", _f32), ("q_a", _w), ("q_a_norm", _f32), ("q_b", _w),
+        ("q_proj", _w), ("kv_a", _w), ("kv_a_norm", _f32), ("w_uk", _w), ("w_uv", _w),
+        ("o_proj", _w), ("q_a_bias", _f32), ("kv_a_bias", _f32), ("o_bias", _f32),
         ("mlp_width", ctypes.c_int64),
-        *((name, _f32) for name in ("gate", "up", "down")),
+        ("gate", _w), ("up", _w), ("down", _w),
         *((name, ctypes.c_int64) for name in ("moe_index", "moe_width", "num_slots")),
-        *((name, _f32) for name in ("router", "router_bias", "w13", "w2")),
+        ("router", _f32), ("router_bias", _f32), ("w13", _w), ("w2", _w),
         ("replicas", _i64),
         ("replica_counts", _i64),
         ("replicas_width", ctypes.c_int64),
@@ -79,6 +84,15 @@ def f32(tensor: torch.Tensor | None) -> ctypes._Pointer[ctypes.c_float] | None:
     if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
         raise ValueError(f"expected an fp32 CPU tensor, got {tensor.dtype} on {tensor.device}")
     return ctypes.cast(tensor.data_ptr(), _f32)
+
+
+def weights(tensor: torch.Tensor | None, dtype: torch.dtype) -> int | None:
+    """The address of a contiguous CPU tensor of the build's element type `dtype` (None: NULL)."""
+    if tensor is None:
+        return None
+    if tensor.dtype != dtype or tensor.device.type != "cpu":
+        raise ValueError(f"expected a {dtype} CPU tensor, got {tensor.dtype} on {tensor.device}")
+    return tensor.data_ptr()
 
 
 def i64(tensor: torch.Tensor | None) -> ctypes._Pointer[ctypes.c_int64] | None:
@@ -108,18 +122,21 @@ def _cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "pdmesh" / "kernels"
 
 
-def build(compiler: str) -> Path:
-    """Compile `cpu/layers.c` (once per source, flags, compiler and CPU) and return the library's
-    path. Raises RuntimeError with the compiler's output when it fails."""
+def build(compiler: str, dtype: torch.dtype = torch.float32) -> Path:
+    """Compile `cpu/layers.c` for weights and KV cache in `dtype` (once per source, flags, compiler
+    and CPU) and return the library's path. Raises RuntimeError with the compiler's output when it
+    fails."""
+    flags = (*FLAGS, *DTYPE_FLAGS[dtype])
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=False
     ).stdout
     key = hashlib.sha256(
         b"\0".join(
-            s.encode() for s in (SOURCE.read_text(), " ".join(FLAGS), version, _cpu_signature())
+            s.encode() for s in (SOURCE.read_text(), " ".join(flags), version, _cpu_signature())
         )
     ).hexdigest()[:16]
-    target = _cache_dir() / f"pdmesh_layers-{key}.so"
+    name = str(dtype).removeprefix("torch.")
+    target = _cache_dir() / f"pdmesh_layers-{name}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -127,7 +144,7 @@ def build(compiler: str) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
         done = subprocess.run(
-            [compiler, *FLAGS, "-o", str(out), str(SOURCE), "-lm"],
+            [compiler, *flags, "-o", str(out), str(SOURCE), "-lm"],
             capture_output=True,
             text=True,
             check=False,
@@ -138,42 +155,45 @@ def build(compiler: str) -> Path:
     return target
 
 
-def library() -> ctypes.CDLL | None:
-    """The compiled kernel (built on first use), or None: disabled (`PDMESH_CPU_LAYERS=0`, read at
-    every call), no compiler, or the build failed (logged once)."""
-    return _library() if enabled() else None
+def library(dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
+    """The kernel for weights and KV cache in `dtype` (fp32 or bf16; built on first use), or None:
+    disabled (`PDMESH_CPU_LAYERS=0`, read at every call), another dtype, no compiler, or the build
+    failed (logged once)."""
+    return _library(dtype) if enabled() and dtype in DTYPE_FLAGS else None
 
 
 @cache
-def _library() -> ctypes.CDLL | None:
+def _library(dtype: torch.dtype) -> ctypes.CDLL | None:
     compiler = _compiler()
     if compiler is None:
         log.warning("no C compiler found: the CPU layer kernel is off (torch path)")
         return None
     try:
-        lib = ctypes.CDLL(str(build(compiler)))
+        lib = ctypes.CDLL(str(build(compiler, dtype)))
     except (OSError, RuntimeError) as exc:
         log.warning("the CPU layer kernel is off (torch path): %s", exc)
         return None
     lib.pd_forward_layers.restype = ctypes.c_int
     lib.pd_forward_layers.argtypes = [
         ctypes.POINTER(Dims), ctypes.POINTER(Layer), ctypes.c_int64, _f32, ctypes.c_int64,
-        _i64, _i64, _i64, _i32, ctypes.c_int64, _f32, _f32, _f32, ctypes.c_int64, _i64, _f32,
+        _i64, _i64, _i64, _i32, ctypes.c_int64, _f32, _f32, _w, ctypes.c_int64, _i64, _f32,
     ]  # fmt: skip
     lib.pd_matmul.restype = None
-    lib.pd_matmul.argtypes = [_f32, _f32, _f32, *(ctypes.c_int64,) * 4]
+    lib.pd_matmul.argtypes = [_f32, _w, _f32, *(ctypes.c_int64,) * 4]
+    lib.dtype = dtype
     return lib
 
 
 def matmul(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, num_threads: int) -> torch.Tensor:
-    """x [T, k] @ w [k, n] -> [T, n], all fp32 contiguous CPU tensors (the C products, which stay
-    bound by reading w at a few rows where a BLAS GEMM of that shape is not)."""
+    """x [T, k] fp32 @ w [k, n] (the library's dtype) -> [T, n] fp32, contiguous CPU tensors (the C
+    products, which stay bound by reading w at a few rows where a BLAS GEMM of that shape is
+    not)."""
     if not (x.is_contiguous() and w.is_contiguous()) or x.shape[1] != w.shape[0]:
         raise ValueError(
             f"matmul needs contiguous [T, k] @ [k, n]: {tuple(x.shape)} @ {tuple(w.shape)}"
         )
     y = torch.empty(x.shape[0], w.shape[1], dtype=torch.float32)
-    lib.pd_matmul(f32(x), f32(w), f32(y), x.shape[0], x.shape[1], w.shape[1], num_threads)
+    lib.pd_matmul(f32(x), weights(w, lib.dtype), f32(y), *x.shape, w.shape[1], num_threads)
     return y
 
 
@@ -195,8 +215,8 @@ def forward_layers(
     """Run `layers` over x [T, D] (fp32, contiguous, updated in place), then `final_norm`'s
     RMSNorm weight [D] if given. positions, slot_mapping, token_seq (each token's row of
     block_tables) [T] int64; block_tables [B, M] int32; rope tables [max_pos, R] fp32; kv_caches
-    [len(layers), num_blocks, block_size, L + R] fp32 (layer i uses row i); load_counts
-    [num_moe_layers, P] int64 (tokens routed to each slot are added there) or None."""
+    [len(layers), num_blocks, block_size, L + R] in the library's dtype (layer i uses row i);
+    load_counts [num_moe_layers, P] int64 (tokens routed to each slot are added there) or None."""
     for tensor in (x, positions, slot_mapping, token_seq, block_tables, kv_caches):
         if tensor.device.type != "cpu":
             raise ValueError("forward_layers runs on CPU tensors")
@@ -215,7 +235,7 @@ def forward_layers(
         block_tables.shape[1],
         f32(rope_cos),
         f32(rope_sin),
-        f32(kv_caches),
+        weights(kv_caches, lib.dtype),
         kv_caches[0].numel(),
         i64(load_counts),
         f32(final_norm),

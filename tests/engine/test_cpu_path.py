@@ -28,10 +28,11 @@ from small_models import small_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pdmesh_engine.config import ModelConfig
+from pdmesh_engine.cpu_dtype import has_native_bf16
 from pdmesh_engine.forward_batch import ForwardBatch
 from pdmesh_engine.model import cpu_path
 from pdmesh_engine.model.deepseek_v3 import DeepseekV3ForCausalLM
-from pdmesh_engine.model.moe import ExpertDispatcher, ExpertLoadRecorder, ExpertPlacement
+from pdmesh_engine.model.moe import ExpertDispatcher, ExpertLoadRecorder, ExpertPlacement, MoE
 from pdmesh_engine.model_runner import load_model
 from pdmesh_kernels import cpu_layers
 
@@ -143,8 +144,14 @@ def test_two_threads_give_the_one_thread_result() -> None:
 
 
 def _random_model(
-    placement: ExpertPlacement | None = None, seed: int = 0, **overrides: Any
+    placement: ExpertPlacement | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    bf16_values: bool = False,
+    **overrides: Any,
 ) -> DeepseekV3ForCausalLM:
+    """Random weights (by `seed`) in `dtype` (the routers fp32, as `load_model` keeps them); with
+    `bf16_values` fp32 weights that bf16 holds exactly (those of the bf16 model of the seed)."""
     config = small_config(
         **{
             "num_hidden_layers": 3,
@@ -161,10 +168,16 @@ def _random_model(
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0, 0.3)
+            if bf16_values or dtype == torch.bfloat16:
+                param.copy_(param.bfloat16())
         for moe in model.moe_layers:  # replicas hold their expert's weights (its first slot's)
             for slot, expert in enumerate(moe.slot_experts):
                 first = int(moe.placement.replicas[expert, 0])
                 moe.w13.data[slot], moe.w2.data[slot] = moe.w13[first], moe.w2[first]
+    model.to(dtype)
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.gate.float()
     model.rope.materialize(config)
     for layer in list(model.layers) + [m.block for m in model.mtp]:
         layer.self_attn.process_weights()
@@ -230,12 +243,48 @@ def test_the_heads_match_torch_and_many_rows_take_torch(rows: int) -> None:
     assert path is not None
     expected = model.lm_head(x)
     expected_mtp = model.mtp[0].shared_head(model.mtp[0].shared_head_norm(x))
-    by_c = path.logits(x, model.lm_head)
+    by_c = path.linear(x, model.lm_head)
     assert (by_c is None) == (rows > cpu_path.MAX_LOGIT_ROWS)
     if by_c is not None:
         torch.testing.assert_close(by_c, expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(model.compute_logits(x), expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(model.compute_mtp_logits(x), expected_mtp, rtol=1e-4, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_bf16_weights_and_cache_follow_the_fp32_path() -> None:
+    """A bf16 model on the C path (bf16 weights and cache, fp32 arithmetic) against the torch path
+    in fp32 on the same weight values and the same context, rounded as the bf16 cache holds it."""
+    ref = _random_model(bf16_values=True)
+    model = _random_model(dtype=torch.bfloat16)
+    path = model.cpu_layers
+    assert path is not None and path.dtype == torch.bfloat16
+    config = model.config
+    caches = torch.zeros(config.num_hidden_layers, 40, BLOCK, config.kv_cache_dim)
+    lens = [13, 7, 22]
+    _, blocks = _prefill(ref, caches, lens, seed=5)
+    caches = caches.bfloat16().float()  # the context both paths read
+    batch = ForwardBatch.build([[1], [2, 3, 4], [5]], lens, blocks, BLOCK, [True] * 3, "cpu")
+    assert path.takes(batch, caches.bfloat16()) and not path.takes(batch, caches)
+    ref.cpu_layers = None
+    expected_kv = caches.clone()
+    expected = ref(batch, expected_kv)
+    kv = caches.bfloat16()
+    hidden = model(batch, kv)
+    assert hidden.dtype == torch.bfloat16
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(hidden.float(), expected, rtol=2e-2, atol=2e-2 * scale)
+    # the entries written are the fp32 path's, rounded to bf16
+    torch.testing.assert_close(kv.float(), expected_kv, rtol=1e-2, atol=1e-2)
+    assert not torch.equal(kv.float(), caches)
+    # without bf16 instructions torch's bf16 GEMMs are far slower: the C path takes every batch
+    n = cpu_path.MAX_TOKENS // 3 + 1  # chunks of 3 tokens, more than MAX_TOKENS in all
+    big = ForwardBatch.build([[1, 2, 3]] * n, [0] * n, [[1]] * n, BLOCK, [True] * n, "cpu")
+    assert path.takes(big, kv) == (not has_native_bf16())
+    assert ref.cpu_layers is None or not ref.cpu_layers.takes(big, caches)
+    logits, expected_logits = model.compute_logits(hidden), ref.compute_logits(expected)
+    torch.testing.assert_close(logits, expected_logits, rtol=5e-2, atol=5e-2 * scale)
+    assert torch.equal(logits.argmax(-1), expected_logits.argmax(-1))
 
 
 class _OpCount(TorchDispatchMode):
@@ -289,17 +338,19 @@ def test_dep_and_the_switch_keep_the_torch_path(monkeypatch: pytest.MonkeyPatch)
 
 def test_the_library_is_built_once_into_the_cache(tmp_path: Path) -> None:
     script = (
-        "from pdmesh_kernels import cpu_layers as c; "
-        "print(c.library() is not None, sorted(p.name for p in c._cache_dir().iterdir()))"
+        "import torch; from pdmesh_kernels import cpu_layers as c; "
+        "print(c.library() is not None, c.library(torch.bfloat16) is not None, "
+        "c.library(torch.float16), sorted(p.name for p in c._cache_dir().iterdir()))"
     )
     env = {**os.environ, "PDMESH_KERNEL_CACHE": str(tmp_path)}
     first = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert first.returncode == 0, first.stderr
-    built = list(tmp_path.glob("pdmesh_layers-*.so"))
-    assert first.stdout.startswith("True") and len(built) == 1
-    stamp = built[0].stat().st_mtime_ns
+    built = sorted(tmp_path.glob("pdmesh_layers-*.so"))
+    assert first.stdout.startswith("True True None") and len(built) == 2  # fp32, bf16; no fp16
+    assert [p.name.split("-")[1] for p in built] == ["bfloat16", "float32"]
+    stamps = [p.stat().st_mtime_ns for p in built]
     second = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
-    assert second.stdout == first.stdout and built[0].stat().st_mtime_ns == stamp
+    assert second.stdout == first.stdout and [p.stat().st_mtime_ns for p in built] == stamps
     off = subprocess.run(
         [sys.executable, "-c", script],
         env={**env, "PDMESH_CPU_LAYERS": "0"},

@@ -1,10 +1,15 @@
 """The small-batch CPU path: a model's decoder layers as one C call (`pdmesh_kernels.cpu_layers`).
 
-Selected automatically per forward: CPU, fp32, in-process experts, at most `MAX_TOKENS` tokens
-(`MAX_DECODES` when the batch is decodes only). Larger batches (long prefill chunks) keep the
-torch path, whose GEMMs win there. Every token attends, in the absorbed form, to its own
-sequence's cached latents up to its position; the batch's latents are written to the cache
-first, so a chunk's tokens see each other causally.
+Selected automatically per forward: CPU, fp32 or bf16 weights (the KV cache in the same dtype;
+activations and sums fp32 in both), in-process experts. fp32: at most `MAX_TOKENS` tokens
+(`MAX_DECODES` when the batch is decodes only); larger batches (long prefill chunks) keep the
+torch path, whose GEMMs win there. bf16 on a CPU without bf16 instructions: every batch, since
+torch's bf16 GEMMs there are ~30x slower than its fp32 ones (`small`, one 256-token prefill chunk,
+2 threads: torch 7.2 s in bf16, 0.25 s in fp32; the C path 0.10 s in bf16 for 128 tokens).
+
+Every token attends, in the absorbed form, to its own sequence's cached latents up to its
+position; the batch's latents are written to the cache first, so a chunk's tokens see each other
+causally.
 
 The layer tables (`pdmesh_kernels.cpu_layers.Layer`) point at the model's own parameters, stored
 for this path at load time (`DeepseekV3ForCausalLM.use_cpu_layouts`): linear weights as [in, out],
@@ -23,11 +28,12 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
+from pdmesh_engine.cpu_dtype import has_native_bf16
 from pdmesh_engine.forward_batch import ForwardBatch
 from pdmesh_engine.model.layers import DenseMLP
 from pdmesh_engine.model.moe import ExpertLoadRecorder, ExpertPlacement, LocalDispatcher, MoE
 from pdmesh_kernels import cpu_layers
-from pdmesh_kernels.cpu_layers import Dims, Layer, f32, i64
+from pdmesh_kernels.cpu_layers import Dims, Layer, f32, i64, weights
 
 if TYPE_CHECKING:
     from pdmesh_engine.model.deepseek_v3 import DecoderLayer, DeepseekV3ForCausalLM, MTPLayer
@@ -56,7 +62,9 @@ class CpuLayerPath:
 
     def __init__(self, lib: ctypes.CDLL, model: DeepseekV3ForCausalLM) -> None:
         c = model.config
-        self.lib, self.model = lib, model
+        self.lib, self.model, self.dtype = lib, model, lib.dtype
+        # every batch and head takes the C path (no size limits): bf16 without bf16 instructions
+        self.unbounded = self.dtype == torch.bfloat16 and not has_native_bf16()
         self.layers = cast("list[DecoderLayer]", list(model.layers))
         self.mtp_layers = [cast("MTPLayer", m).block for m in model.mtp]
         attn = self.layers[0].self_attn
@@ -83,10 +91,12 @@ class CpuLayerPath:
         )
         self.tables = (Layer * len(self.layers))()
         self.mtp_tables = (Layer * len(self.mtp_layers))()
+        self._fp32: list[torch.Tensor] = []  # fp32 copies of a bf16 model's norms and biases
         for table, layer in zip(self.tables, self.layers, strict=True):
-            _fill(table, layer)
+            self._fill(table, layer)
         for table, layer in zip(self.mtp_tables, self.mtp_layers, strict=True):
-            _fill(table, layer)
+            self._fill(table, layer)
+        self.final_norm = model.norm.weight.float()  # the weight itself in an fp32 model
         # the placement each MoE table points at, by its layer (re-pointed when EPLB swaps it)
         self._placements: dict[int, ExpertPlacement] = {}
         self._arange = torch.arange(MAX_DECODES)
@@ -95,7 +105,7 @@ class CpuLayerPath:
     def build(cls, model: DeepseekV3ForCausalLM) -> CpuLayerPath | None:
         """The path for `model`, or None where it does not apply (the reason logged at debug)."""
         reason = _unsupported(model)
-        lib = cpu_layers.library() if reason is None else None
+        lib = cpu_layers.library(model.lm_head.weight.dtype) if reason is None else None
         if lib is None:
             log.debug("CPU layer path off: %s", reason or "the kernel library is not available")
             return None
@@ -108,8 +118,8 @@ class CpuLayerPath:
     def takes(self, batch: ForwardBatch, kv_caches: torch.Tensor) -> bool:
         decodes_only = batch.num_decodes == batch.num_tokens
         return (
-            batch.num_tokens <= (MAX_DECODES if decodes_only else MAX_TOKENS)
-            and kv_caches.dtype == torch.float32
+            (self.unbounded or batch.num_tokens <= (MAX_DECODES if decodes_only else MAX_TOKENS))
+            and kv_caches.dtype == self.dtype
             and kv_caches.device.type == "cpu"
             and max(batch.seq_len_list) <= self.model.rope.cos.shape[0]
         )
@@ -122,9 +132,11 @@ class CpuLayerPath:
         expert_load: ExpertLoadRecorder | None = None,
         mtp: bool = False,
     ) -> torch.Tensor:
-        """x [T, D] fp32 (the layers' input) -> hidden states [T, D] (the decoder's, final norm
-        applied), or with `mtp` the MTP block's output over its own cache `kv_caches`."""
-        x = x.contiguous()
+        """x [T, D] (the layers' input, the model's dtype) -> hidden states [T, D] in that dtype
+        (the decoder's, final norm applied), or with `mtp` the MTP block's output over its own cache
+        `kv_caches`. The layers run in fp32 either way."""
+        dtype = x.dtype
+        x = x.to(torch.float32).contiguous()
         tables, layers = (self.mtp_tables, self.mtp_layers) if mtp else (self.tables, self.layers)
         self._refresh_placements(tables, layers)
         self.dims.block_size = kv_caches.shape[2]
@@ -142,16 +154,18 @@ class CpuLayerPath:
             self.model.rope.sin,
             kv_caches,
             load_counts=expert_load.current if expert_load is not None and not mtp else None,
-            final_norm=None if mtp else self.model.norm.weight,
+            final_norm=None if mtp else self.final_norm,
         )
-        return x
+        return x.to(dtype)
 
-    def logits(self, x: torch.Tensor, head: nn.Linear) -> torch.Tensor | None:
-        """x [S, D] @ head -> [S, V] fp32 by the C product, or None where the torch path is the
-        faster (more than `MAX_LOGIT_ROWS` rows) or x is not fp32 on CPU."""
-        if x.shape[0] > MAX_LOGIT_ROWS or x.dtype != torch.float32 or x.device.type != "cpu":
+    def linear(self, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor | None:
+        """x [S, in] @ a bias-free linear -> [S, out] fp32 by the C product (the heads' logits, the
+        MTP input projection), or None where torch is the faster (fp32, more than
+        `MAX_LOGIT_ROWS` rows) or x is not on CPU."""
+        if x.device.type != "cpu" or (not self.unbounded and x.shape[0] > MAX_LOGIT_ROWS):
             return None
-        return cpu_layers.matmul(self.lib, x.contiguous(), _t(head), torch.get_num_threads())
+        x = x.to(torch.float32).contiguous()
+        return cpu_layers.matmul(self.lib, x, _t(linear), torch.get_num_threads())
 
     def _token_seq(self, batch: ForwardBatch) -> torch.Tensor:
         """Each token's sequence (its row of the block tables)."""
@@ -162,6 +176,57 @@ class CpuLayerPath:
             [b for b in range(batch.num_seqs) for _ in range(starts[b + 1] - starts[b])],
             dtype=torch.int64,
         )
+
+    def _fill(self, table: Layer, layer: DecoderLayer) -> None:
+        attn = layer.self_attn
+        norm = self._as_fp32
+
+        def w(tensor: torch.Tensor) -> int | None:
+            return weights(tensor, self.dtype)
+
+        table.input_norm = norm(layer.input_layernorm.weight)
+        table.post_norm = norm(layer.post_attention_layernorm.weight)
+        if attn.has_q_lora:
+            table.q_a = w(_contiguous(_t(attn.q_a_proj), "q_a_proj"))
+            table.q_a_bias = norm(attn.q_a_proj.bias)
+            table.q_a_norm = norm(attn.q_a_layernorm.weight)
+            table.q_b = w(_contiguous(_t(attn.q_b_proj), "q_b_proj"))
+        else:
+            table.q_proj = w(_contiguous(_t(attn.q_proj), "q_proj"))
+        table.kv_a = w(_contiguous(_t(attn.kv_a_proj_with_mqa), "kv_a_proj_with_mqa"))
+        table.kv_a_norm = norm(attn.kv_a_layernorm.weight)
+        if attn.w_uk is None or attn.w_uv_t is None:
+            raise ValueError("MLA weights not processed (process_weights)")
+        table.w_uk = w(_contiguous(attn.w_uk, "w_uk"))
+        table.w_uv = w(_contiguous(attn.w_uv_t, "w_uv_t"))
+        table.o_proj = w(_contiguous(_t(attn.o_proj), "o_proj"))
+        table.kv_a_bias = norm(attn.kv_a_proj_with_mqa.bias)
+        table.o_bias = norm(attn.o_proj.bias)
+        mlp = layer.mlp
+        dense = mlp if isinstance(mlp, DenseMLP) else mlp.shared_experts
+        table.mlp_width = dense.gate_proj.out_features if dense is not None else 0
+        if dense is not None:
+            table.gate = w(_contiguous(_t(dense.gate_proj), "gate_proj"))
+            table.up = w(_contiguous(_t(dense.up_proj), "up_proj"))
+            table.down = w(_contiguous(_t(dense.down_proj), "down_proj"))
+        table.moe_index = -1
+        if isinstance(mlp, MoE):
+            table.moe_index = mlp.moe_index
+            table.moe_width = mlp.w2.shape[2]
+            table.num_slots = mlp.w13.shape[0]
+            table.router = norm(_contiguous(mlp.gate.weight.t(), "the router weight"))
+            table.router_bias = norm(mlp.gate.e_score_correction_bias)
+            table.w13 = w(_contiguous(mlp.w13.transpose(1, 2), "w13"))
+            table.w2 = w(_contiguous(mlp.w2.transpose(1, 2), "w2"))
+            _set_placement(table, mlp)
+
+    def _as_fp32(self, tensor: torch.Tensor | None) -> ctypes._Pointer[ctypes.c_float] | None:
+        """A pointer to `tensor` in fp32 (a copy, kept alive here, for a bf16 model's norms, biases
+        and MTP router)."""
+        if tensor is not None and tensor.dtype != torch.float32:
+            tensor = tensor.float()
+            self._fp32.append(tensor)
+        return f32(tensor)
 
     def _refresh_placements(self, tables: ctypes.Array[Layer], layers: list[DecoderLayer]) -> None:
         """Point the MoE tables at the placements running now (EPLB swaps them between steps)."""
@@ -174,8 +239,15 @@ class CpuLayerPath:
 
 def _unsupported(model: DeepseekV3ForCausalLM) -> str | None:
     c = model.config
-    if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in model.parameters()):
-        return "the weights are not fp32 on CPU"
+    dtype = model.lm_head.weight.dtype
+    routers = {  # kept in fp32 whatever the model's dtype (the MTP block's may follow the model's)
+        id(p) for moe in model.modules() if isinstance(moe, MoE) for p in moe.gate.parameters()
+    }
+    for p in model.parameters():
+        if p.device.type != "cpu" or (p.dtype != dtype and id(p) not in routers):
+            return "the weights are not all on CPU in one dtype"
+    if dtype not in cpu_layers.DTYPE_FLAGS:
+        return f"no kernel build for {dtype} weights"
     if c.qk_rope_head_dim > 512 or c.n_group > 64 or c.num_attention_heads > 256:
         return "a rope width, group or head count above the kernel's fixed buffers"
     if c.n_routed_experts % c.n_group:
@@ -192,45 +264,6 @@ def _contiguous(tensor: torch.Tensor, name: str) -> torch.Tensor:
     if not tensor.is_contiguous():
         raise ValueError(f"{name} is not stored in the layout of the CPU layer path")
     return tensor
-
-
-def _fill(table: Layer, layer: DecoderLayer) -> None:
-    attn = layer.self_attn
-    table.input_norm = f32(layer.input_layernorm.weight)
-    table.post_norm = f32(layer.post_attention_layernorm.weight)
-    if attn.has_q_lora:
-        table.q_a = f32(_contiguous(_t(attn.q_a_proj), "q_a_proj"))
-        table.q_a_bias = f32(attn.q_a_proj.bias)
-        table.q_a_norm = f32(attn.q_a_layernorm.weight)
-        table.q_b = f32(_contiguous(_t(attn.q_b_proj), "q_b_proj"))
-    else:
-        table.q_proj = f32(_contiguous(_t(attn.q_proj), "q_proj"))
-    table.kv_a = f32(_contiguous(_t(attn.kv_a_proj_with_mqa), "kv_a_proj_with_mqa"))
-    table.kv_a_norm = f32(attn.kv_a_layernorm.weight)
-    if attn.w_uk is None or attn.w_uv_t is None:
-        raise ValueError("MLA weights not processed (process_weights)")
-    table.w_uk = f32(_contiguous(attn.w_uk, "w_uk"))
-    table.w_uv = f32(_contiguous(attn.w_uv_t, "w_uv_t"))
-    table.o_proj = f32(_contiguous(_t(attn.o_proj), "o_proj"))
-    table.kv_a_bias = f32(attn.kv_a_proj_with_mqa.bias)
-    table.o_bias = f32(attn.o_proj.bias)
-    mlp = layer.mlp
-    dense = mlp if isinstance(mlp, DenseMLP) else mlp.shared_experts
-    table.mlp_width = dense.gate_proj.out_features if dense is not None else 0
-    if dense is not None:
-        table.gate = f32(_contiguous(_t(dense.gate_proj), "gate_proj"))
-        table.up = f32(_contiguous(_t(dense.up_proj), "up_proj"))
-        table.down = f32(_contiguous(_t(dense.down_proj), "down_proj"))
-    table.moe_index = -1
-    if isinstance(mlp, MoE):
-        table.moe_index = mlp.moe_index
-        table.moe_width = mlp.w2.shape[2]
-        table.num_slots = mlp.w13.shape[0]
-        table.router = f32(_contiguous(mlp.gate.weight.t(), "the router weight"))
-        table.router_bias = f32(mlp.gate.e_score_correction_bias)
-        table.w13 = f32(_contiguous(mlp.w13.transpose(1, 2), "w13"))
-        table.w2 = f32(_contiguous(mlp.w2.transpose(1, 2), "w2"))
-        _set_placement(table, mlp)
 
 
 def _set_placement(table: Layer, moe: MoE) -> None:

@@ -12,7 +12,7 @@ Legend: T tokens, D hidden size, S sampled rows.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -31,6 +31,9 @@ from pdmesh_engine.model.moe import (
 )
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+# (x, linear) -> linear(x), by another product (the CPU path's C product)
+Project = Callable[[torch.Tensor, nn.Linear], torch.Tensor]
 
 
 class DecoderLayer(nn.Module):
@@ -107,9 +110,13 @@ class MTPLayer(nn.Module):
     ) -> torch.Tensor:
         return self.block(self.block_input(embeds, prev_hidden), batch, kv_cache, rope, meta)
 
-    def block_input(self, embeds: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
-        """eh_proj(cat(enorm(embeds), hnorm(prev_hidden))): the block's input [T, D]."""
-        return self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(prev_hidden)), dim=-1))
+    def block_input(
+        self, embeds: torch.Tensor, prev_hidden: torch.Tensor, project: Project | None = None
+    ) -> torch.Tensor:
+        """eh_proj(cat(enorm(embeds), hnorm(prev_hidden))): the block's input [T, D], the product
+        by `project` where given."""
+        joined = torch.cat((self.enorm(embeds), self.hnorm(prev_hidden)), dim=-1)
+        return self.eh_proj(joined) if project is None else project(joined, self.eh_proj)
 
 
 class DeepseekV3ForCausalLM(nn.Module):
@@ -199,7 +206,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         return AttentionMetadata(cos, sin, gather)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._head(hidden, self.lm_head)
+        return self._linear(hidden, self.lm_head).float()
 
     def forward_mtp(
         self,
@@ -216,7 +223,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         token t + 1)), hnorm(h_t))); rope at position t."""
         mtp = self.mtp[0]
         if self.cpu_layers is not None and self.cpu_layers.takes(batch, mtp_kv_caches):
-            x = mtp.block_input(self.embed_tokens(next_ids), prev_hidden)
+            embeds = self.embed_tokens(next_ids)
+            x = mtp.block_input(embeds, prev_hidden, self._linear).to(embeds.dtype)
             return self.cpu_layers.run(x, batch, mtp_kv_caches, mtp=True)
         meta = self.attention_metadata(batch, mtp_kv_caches)
         return mtp(
@@ -227,15 +235,15 @@ class DeepseekV3ForCausalLM(nn.Module):
         """x [S, D] (`forward_mtp` rows) -> [S, vocab] fp32: the MTP layer's own head (predicts the
         token two places after the row's position)."""
         mtp = self.mtp[0]
-        return self._head(mtp.shared_head_norm(x), mtp.shared_head)
+        return self._linear(mtp.shared_head_norm(x), mtp.shared_head).float()
 
-    def _head(self, x: torch.Tensor, head: nn.Linear) -> torch.Tensor:
-        """x [S, D] -> logits [S, V] fp32: the C product for a few rows on the CPU path."""
+    def _linear(self, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+        """linear(x): by the C product where the CPU path takes it (then fp32)."""
         if self.cpu_layers is not None:
-            logits = self.cpu_layers.logits(x, head)
-            if logits is not None:
-                return logits
-        return head(x).float()
+            y = self.cpu_layers.linear(x, linear)
+            if y is not None:
+                return y
+        return linear(x)
 
     # ----- weights -----
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -6,6 +6,11 @@
  * The arithmetic is the engine's torch path (fp32 throughout, the same formulas); only the order
  * of the sums differs, so results agree to fp32 rounding.
  *
+ * Built with -DPD_BF16 the projection and expert weights and the KV cache are bf16 (read and
+ * widened to fp32 in registers, cache entries rounded to nearest even when written), everything
+ * else stays fp32: activations, sums, norms, biases, the router. Half the bytes per step, the
+ * same formulas.
+ *
  * Layouts (prepared once at load time by the engine):
  *   linear weights   [in, out] row-major (nn.Linear's weight transposed): y[c] += x[i] * W[i, c]
  *   w_uk [H, N, L], w_uv [H, L, V]   (kv_b_proj split per head, as the torch path's bmm uses)
@@ -27,18 +32,29 @@ typedef struct {
     float rms_eps, latent_eps, attn_scale, routed_scaling;
 } pd_dims;
 
+/* wt: a weight element, kt: a KV cache element (bf16 bits in a PD_BF16 build) */
+#ifdef PD_BF16
+typedef uint16_t wt;
+#else
+typedef float wt;
+#endif
+typedef wt kt;
+
 typedef struct {
     const float *input_norm, *post_norm;
-    const float *q_a, *q_a_norm, *q_b, *q_proj; /* q_proj when q_lora_rank == 0 */
-    const float *kv_a, *kv_a_norm;
-    const float *w_uk, *w_uv, *o_proj;
+    const wt *q_a;
+    const float *q_a_norm;
+    const wt *q_b, *q_proj; /* q_proj when q_lora_rank == 0 */
+    const wt *kv_a;
+    const float *kv_a_norm;
+    const wt *w_uk, *w_uv, *o_proj;
     const float *q_a_bias, *kv_a_bias, *o_bias; /* attention biases (NULL: none) */
     int64_t mlp_width; /* dense MLP width, or the shared experts' (0: none) */
-    const float *gate, *up, *down;
+    const wt *gate, *up, *down;
     int64_t moe_index; /* row in the expert-load output; -1: a dense layer */
     int64_t moe_width, num_slots;
     const float *router, *router_bias; /* [D, E], [E] */
-    const float *w13, *w2;
+    const wt *w13, *w2;
     const int64_t *replicas, *replica_counts; /* NULL: slot == logical expert */
     int64_t replicas_width;
 } pd_layer;
@@ -52,10 +68,41 @@ enum { PAR_MIN_MACS = 1 << 14 };
  * aligned(4) makes loads and stores through it unaligned-safe. */
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 
+/* LOAD8(p): 8 elements at p as fp32 lanes; LOAD1(p): one. bf16 is the top half of an fp32. */
+#ifdef PD_BF16
+#ifdef __AVX2__ /* one widening load (vpmovzxwd), where the generic form below takes five ops */
+#include <immintrin.h>
+static inline v8 load8(const uint16_t *p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return (v8)_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+#else
+typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(2)));
+typedef uint32_t u32x8 __attribute__((vector_size(32), aligned(4)));
+static inline v8 load8(const uint16_t *p) {
+    return (v8)(__builtin_convertvector(*(const u16x8 *)p, u32x8) << 16);
+}
+#endif
+static inline float load1(const uint16_t *p) {
+    const uint32_t bits = (uint32_t)*p << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+static inline uint16_t to_bf16(float f) { /* round to nearest even (no NaNs here) */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+#else
+static inline v8 load8(const float *p) { return *(const v8 *)p; }
+static inline float load1(const float *p) { return *p; }
+#endif
+
 /* Register tiles: NT tokens x NV vectors of 8 columns of accumulators over rows [0, k) of W,
  * each row's NV vectors loaded once for all NT tokens; added to Y, or stored where `first`. */
 #define TILE(NT, NV)                                                                             \
-    static inline void tile_##NT##_##NV(const float *X, int64_t ldx, const float *W,            \
+    static inline void tile_##NT##_##NV(const float *X, int64_t ldx, const wt *W,               \
                                         int64_t ldw, float *Y, int64_t ldy, int64_t k,          \
                                         int first) {                                             \
         v8 acc[NT][NV];                                                                          \
@@ -63,9 +110,9 @@ typedef float v8 __attribute__((vector_size(32), aligned(4)));
             _Pragma("GCC unroll 8") for (int j = 0; j < NV; j++)                                 \
                 acc[t][j] = first ? (v8){0} : *(v8 *)(Y + t * ldy + 8 * j);                      \
         for (int64_t i = 0; i < k; i++) {                                                        \
-            const v8 *w = (const v8 *)(W + i * ldw);                                             \
+            const wt *w = W + i * ldw;                                                           \
             v8 wv[NV];                                                                           \
-            _Pragma("GCC unroll 8") for (int j = 0; j < NV; j++) wv[j] = w[j];                   \
+            _Pragma("GCC unroll 8") for (int j = 0; j < NV; j++) wv[j] = load8(w + 8 * j);       \
             _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                               \
                 const float xv = X[t * ldx + i];                                                 \
                 _Pragma("GCC unroll 8") for (int j = 0; j < NV; j++) acc[t][j] += xv * wv[j];    \
@@ -85,7 +132,7 @@ TILE(1, 4)
 TILE(1, 2)
 
 /* Columns [c0, c1) of rows [0, T) without a register tile (the ragged edge). */
-static void matmul_edge(const float *X, int64_t ldx, const float *W, int64_t ldw, float *Y,
+static void matmul_edge(const float *X, int64_t ldx, const wt *W, int64_t ldw, float *Y,
                         int64_t ldy, int64_t T, int64_t k, int64_t c0, int64_t c1, int first) {
     for (int64_t t = 0; t < T; t++) {
         float *y = Y + t * ldy;
@@ -93,40 +140,41 @@ static void matmul_edge(const float *X, int64_t ldx, const float *W, int64_t ldw
             for (int64_t c = c0; c < c1; c++) y[c] = 0.0f;
         for (int64_t i = 0; i < k; i++) {
             const float xv = X[t * ldx + i];
-            const float *w = W + i * ldw;
-            for (int64_t c = c0; c < c1; c++) y[c] += xv * w[c];
+            const wt *w = W + i * ldw;
+            for (int64_t c = c0; c < c1; c++) y[c] += xv * load1(w + c);
         }
     }
 }
 
-typedef void tile_fn(const float *, int64_t, const float *, int64_t, float *, int64_t, int64_t, int);
+typedef void tile_fn(const float *, int64_t, const wt *, int64_t, float *, int64_t, int64_t, int);
 
 enum { ROW_BLOCK = 16, PREFETCH_BLOCKS = 2 }; /* rows of W per sweep; blocks fetched ahead */
 
 /* y[c0:c1] = x[:k] @ W[:k, c0:c1] for one token, streaming W four rows at a time in memory
  * order (y stays in L1): at one token the product is bound by reading W, and this order reads it
  * fastest (measured 8.0 against 6.4 GB/s for the register tiles on one core, cold weights). */
-static void matvec_rows(const float *x, const float *W, int64_t ldw, float *y, int64_t k,
+static void matvec_rows(const float *x, const wt *W, int64_t ldw, float *y, int64_t k,
                         int64_t c0, int64_t c1) {
     const int64_t vec_end = c0 + (c1 - c0) / 8 * 8;
     for (int64_t c = c0; c < c1; c++) y[c] = 0.0f;
     int64_t i = 0;
     for (; i + 4 <= k; i += 4) {
         const float x0 = x[i], x1 = x[i + 1], x2 = x[i + 2], x3 = x[i + 3];
-        const float *w0 = W + i * ldw, *w1 = w0 + ldw, *w2 = w1 + ldw, *w3 = w2 + ldw;
+        const wt *w0 = W + i * ldw, *w1 = w0 + ldw, *w2 = w1 + ldw, *w3 = w2 + ldw;
         int64_t c = c0;
         for (; c < vec_end; c += 8) {
             v8 acc = *(v8 *)(y + c);
-            acc += x0 * *(const v8 *)(w0 + c);
-            acc += x1 * *(const v8 *)(w1 + c);
-            acc += x2 * *(const v8 *)(w2 + c);
-            acc += x3 * *(const v8 *)(w3 + c);
+            acc += x0 * load8(w0 + c);
+            acc += x1 * load8(w1 + c);
+            acc += x2 * load8(w2 + c);
+            acc += x3 * load8(w3 + c);
             *(v8 *)(y + c) = acc;
         }
-        for (; c < c1; c++) y[c] += x0 * w0[c] + x1 * w1[c] + x2 * w2[c] + x3 * w3[c];
+        for (; c < c1; c++)
+            y[c] += x0 * load1(w0 + c) + x1 * load1(w1 + c) + x2 * load1(w2 + c) + x3 * load1(w3 + c);
     }
     for (; i < k; i++)
-        for (int64_t c = c0; c < c1; c++) y[c] += x[i] * W[i * ldw + c];
+        for (int64_t c = c0; c < c1; c++) y[c] += x[i] * load1(W + i * ldw + c);
 }
 
 /* Y[t, c0:c1] = X[t, :k] @ W[:k, c0:c1] for t < T (single-threaded). W is swept in blocks of
@@ -134,7 +182,7 @@ static void matvec_rows(const float *x, const float *W, int64_t ldw, float *y, i
  * every column tile and token group runs from L1: up to 6 tokens in one tile (6-3 tokens x 16
  * columns, 2-1 tokens x 32 then 16), more in groups of 6 over 16-column strips. Ragged columns
  * last. */
-static void matmul_cols(const float *X, int64_t ldx, const float *W, int64_t ldw, float *Y,
+static void matmul_cols(const float *X, int64_t ldx, const wt *W, int64_t ldw, float *Y,
                         int64_t ldy, int64_t T, int64_t k, int64_t c0, int64_t c1) {
     static tile_fn *const tiles[7] = {0, tile_1_4, tile_2_4, tile_3_2, tile_4_2, tile_5_2, tile_6_2};
     static tile_fn *const strips[7] = {0, tile_1_2, tile_2_2, tile_3_2, tile_4_2, tile_5_2, tile_6_2};
@@ -146,7 +194,8 @@ static void matmul_cols(const float *X, int64_t ldx, const float *W, int64_t ldw
     for (int64_t i0 = 0; i0 < k; i0 += ROW_BLOCK) {
         const int64_t rows = MIN(ROW_BLOCK, k - i0);
         const int first = i0 == 0;
-        const float *w = W + i0 * ldw, *x = X + i0;
+        const wt *w = W + i0 * ldw;
+        const float *x = X + i0;
         /* prefetch ahead: the first blocks at the start, then the block PREFETCH_BLOCKS ahead */
         for (int64_t i = i0 ? i0 + PREFETCH_BLOCKS * ROW_BLOCK : 0;
              i < MIN(k, i0 + (PREFETCH_BLOCKS + 1) * ROW_BLOCK); i++)
@@ -169,7 +218,7 @@ static void matmul_cols(const float *X, int64_t ldx, const float *W, int64_t ldw
 
 /* One product of a `matmuls` call: Y [T, n] = X @ W [k, n]. */
 typedef struct {
-    const float *W;
+    const wt *W;
     float *Y;
     int64_t n;
 } mm_job;
@@ -195,7 +244,7 @@ static void matmuls(const float *X, int64_t T, int64_t k, const mm_job *jobs, in
 }
 
 /* Y [T, n] = X [T, k] @ W [k, n] */
-static void matmul(const float *X, const float *W, float *Y, int64_t T, int64_t k, int64_t n,
+static void matmul(const float *X, const wt *W, float *Y, int64_t T, int64_t k, int64_t n,
                    int nt) {
     const mm_job job = {W, Y, n};
     matmuls(X, T, k, &job, 1, nt);
@@ -262,28 +311,28 @@ static inline float hsum(v8 v) {
     return sum;
 }
 
-static inline float dot(const float *a, const float *b, int64_t n) {
+static inline float dot(const float *a, const kt *b, int64_t n) {
     v8 acc0 = {0}, acc1 = {0};
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        acc0 += *(const v8 *)(a + i) * *(const v8 *)(b + i);
-        acc1 += *(const v8 *)(a + i + 8) * *(const v8 *)(b + i + 8);
+        acc0 += *(const v8 *)(a + i) * load8(b + i);
+        acc1 += *(const v8 *)(a + i + 8) * load8(b + i + 8);
     }
-    for (; i + 8 <= n; i += 8) acc0 += *(const v8 *)(a + i) * *(const v8 *)(b + i);
+    for (; i + 8 <= n; i += 8) acc0 += *(const v8 *)(a + i) * load8(b + i);
     float sum = hsum(acc0 + acc1);
-    for (; i < n; i++) sum += a[i] * b[i];
+    for (; i < n; i++) sum += a[i] * load1(b + i);
     return sum;
 }
 
 /* out[j] = q_j . row for nh queries q_j = q + j * n, four at a time (each row load shared). */
-static void dot_rows(const float *q, int64_t nh, int64_t n, const float *row, float *out) {
+static void dot_rows(const float *q, int64_t nh, int64_t n, const kt *row, float *out) {
     int64_t j = 0;
     for (; j + 4 <= nh; j += 4) {
         const float *q0 = q + j * n, *q1 = q0 + n, *q2 = q1 + n, *q3 = q2 + n;
         v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
         int64_t i = 0;
         for (; i + 8 <= n; i += 8) {
-            const v8 r = *(const v8 *)(row + i);
+            const v8 r = load8(row + i);
             a0 += *(const v8 *)(q0 + i) * r;
             a1 += *(const v8 *)(q1 + i) * r;
             a2 += *(const v8 *)(q2 + i) * r;
@@ -291,8 +340,8 @@ static void dot_rows(const float *q, int64_t nh, int64_t n, const float *row, fl
         }
         float s0 = hsum(a0), s1 = hsum(a1), s2 = hsum(a2), s3 = hsum(a3);
         for (; i < n; i++) {
-            s0 += q0[i] * row[i], s1 += q1[i] * row[i];
-            s2 += q2[i] * row[i], s3 += q3[i] * row[i];
+            const float r = load1(row + i);
+            s0 += q0[i] * r, s1 += q1[i] * r, s2 += q2[i] * r, s3 += q3[i] * r;
         }
         out[j] = s0, out[j + 1] = s1, out[j + 2] = s2, out[j + 3] = s3;
     }
@@ -300,11 +349,37 @@ static void dot_rows(const float *q, int64_t nh, int64_t n, const float *row, fl
 }
 
 /* y[:n] += a * x[:n] */
-static inline void axpy(float *y, float a, const float *x, int64_t n) {
+static inline void axpy(float *y, float a, const kt *x, int64_t n) {
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) *(v8 *)(y + i) += a * *(const v8 *)(x + i);
-    for (; i < n; i++) y[i] += a * x[i];
+    for (; i + 8 <= n; i += 8) *(v8 *)(y + i) += a * load8(x + i);
+    for (; i < n; i++) y[i] += a * load1(x + i);
 }
+
+/* dst[:n] = src[:n] as cache elements */
+static inline void store_row(kt *dst, const float *src, int64_t n) {
+#ifdef PD_BF16
+    for (int64_t i = 0; i < n; i++) dst[i] = to_bf16(src[i]);
+#else
+    memcpy(dst, src, n * sizeof(float));
+#endif
+}
+
+#ifdef PD_BF16
+/* Y [T, n] = X [T, k] @ W [k, n] for fp32 weights in a bf16 build (the routers), serial. */
+static void matmul_f32(const float *X, const float *W, float *Y, int64_t T, int64_t k, int64_t n) {
+    for (int64_t t = 0; t < T; t++) {
+        float *y = Y + t * n;
+        for (int64_t c = 0; c < n; c++) y[c] = 0.0f;
+        for (int64_t i = 0; i < k; i++) {
+            const float xv = X[t * k + i];
+            const float *w = W + i * n;
+            int64_t c = 0;
+            for (; c + 8 <= n; c += 8) *(v8 *)(y + c) += xv * *(const v8 *)(w + c);
+            for (; c < n; c++) y[c] += xv * w[c];
+        }
+    }
+}
+#endif
 
 /* ---------------------------------------------------------------- attention ---------------- */
 typedef struct {
@@ -315,7 +390,7 @@ typedef struct {
 } pd_batch;
 
 /* x [T, D] -> attention output added to x (the residual). */
-static void attention(const pd_dims *d, const pd_layer *l, const pd_batch *b, float *kv_cache,
+static void attention(const pd_dims *d, const pd_layer *l, const pd_batch *b, kt *kv_cache,
                       float *x, int64_t T, float *h, float *work) {
     const int64_t D = d->hidden, H = d->num_heads, N = d->nope_dim, R = d->rope_dim,
                   L = d->kv_lora_rank, V = d->v_dim, QL = d->q_lora_rank, E = L + R,
@@ -338,12 +413,11 @@ static void attention(const pd_dims *d, const pd_layer *l, const pd_batch *b, fl
         matmul(qa, l->q_b, q, T, QL, QW, nt);
     }
     for (int64_t t = 0; t < T; t++) { /* the tokens' cache entries: [norm(latent), rope(k_pe)] */
-        float *row = kv_cache + b->slot_mapping[t] * E;
-        float *src = kva + t * E;
-        rms_norm(src, l->kv_a_norm, row, L, d->latent_eps);
+        float *entry = kva + t * E; /* built in place, then stored */
+        rms_norm(entry, l->kv_a_norm, entry, L, d->latent_eps);
         const int64_t pos = b->positions[t];
-        memcpy(row + L, src + L, R * sizeof(float));
-        rope(row + L, b->rope_cos + pos * R, b->rope_sin + pos * R, R, (int)d->rope_interleave);
+        rope(entry + L, b->rope_cos + pos * R, b->rope_sin + pos * R, R, (int)d->rope_interleave);
+        store_row(kv_cache + b->slot_mapping[t] * E, entry, E);
     }
     /* work items: a token's heads [h0, h1); with fewer tokens than threads the heads are split.
      * Threads only when the scores and sums are worth waking them for. */
@@ -376,7 +450,7 @@ static void attention(const pd_dims *d, const pd_layer *l, const pd_batch *b, fl
             float best[256], total[256]; /* per head: running max, then the softmax sum */
             for (int64_t j = 0; j < nh; j++) best[j] = -INFINITY, total[j] = 0.0f;
             for (int64_t s0 = 0; s0 < ctx; s0 += BS) { /* scores: each cached row read once */
-                const float *block = kv_cache + (int64_t)table[s0 / BS] * BS * E;
+                const kt *block = kv_cache + (int64_t)table[s0 / BS] * BS * E;
                 for (int64_t s = s0; s < MIN(ctx, s0 + BS); s++) {
                     float dots[256];
                     dot_rows(qc, nh, E, block + (s - s0) * E, dots);
@@ -403,7 +477,7 @@ static void attention(const pd_dims *d, const pd_layer *l, const pd_batch *b, fl
             }
             memset(acc, 0, sizeof(float) * nh * L);
             for (int64_t s0 = 0; s0 < ctx; s0 += BS) { /* probabilities @ latents, rows once */
-                const float *block = kv_cache + (int64_t)table[s0 / BS] * BS * E;
+                const kt *block = kv_cache + (int64_t)table[s0 / BS] * BS * E;
                 for (int64_t s = s0; s < MIN(ctx, s0 + BS); s++)
                     for (int64_t j = 0; j < nh; j++)
                         axpy(acc + j * L, scores[j * ctx + s], block + (s - s0) * E, L);
@@ -424,7 +498,7 @@ static void attention(const pd_dims *d, const pd_layer *l, const pd_batch *b, fl
 
 /* ---------------------------------------------------------------- MLPs --------------------- */
 /* out [T, D] = down(silu(x @ gate) * (x @ up)), W [D, I], [D, I], [I, D]; `act` [T, 2I] work. */
-static void swiglu(const float *x, const float *gate, const float *up, const float *down,
+static void swiglu(const float *x, const wt *gate, const wt *up, const wt *down,
                    float *out, int64_t T, int64_t D, int64_t I, float *act, int nt) {
     float *g = act, *u = act + T * I;
     const mm_job gate_up[2] = {{gate, g, I}, {up, u, I}};
@@ -492,7 +566,11 @@ static void moe(const pd_dims *d, const pd_layer *l, const float *h, float *x, i
     int64_t *slots = malloc(sizeof(int64_t) * (3 * TK + P + 1));
     int64_t *experts = slots + TK, *order = experts + TK, *start = order + TK;
 
+#ifdef PD_BF16
+    matmul_f32(h, l->router, logits, T, D, E); /* the router stays fp32 */
+#else
     matmul(h, l->router, logits, T, D, E, nt);
+#endif
     for (int64_t t = 0; t < T; t++) {
         route(d, l, logits + t * E, weights + t * K, experts + t * K, route_work);
         for (int64_t k = 0; k < K; k++) {
@@ -558,7 +636,7 @@ int pd_forward_layers(const pd_dims *d, const pd_layer *layers, int64_t num_laye
                       int64_t T, const int64_t *positions, const int64_t *slot_mapping,
                       const int64_t *token_seq, const int32_t *block_tables,
                       int64_t block_table_stride, const float *rope_cos, const float *rope_sin,
-                      float *kv_base, int64_t kv_layer_stride, int64_t *load_counts,
+                      kt *kv_base, int64_t kv_layer_stride, int64_t *load_counts,
                       const float *final_norm) {
     const pd_batch b = {positions, slot_mapping, token_seq, block_tables, block_table_stride,
                         rope_cos, rope_sin};
@@ -596,6 +674,6 @@ int pd_forward_layers(const pd_dims *d, const pd_layer *layers, int64_t num_laye
 }
 
 /* Y [T, n] = X [T, k] @ W [k, n] with `nt` threads: the heads' logits of a few rows. */
-void pd_matmul(const float *X, const float *W, float *Y, int64_t T, int64_t k, int64_t n, int64_t nt) {
+void pd_matmul(const float *X, const wt *W, float *Y, int64_t T, int64_t k, int64_t n, int64_t nt) {
     matmul(X, W, Y, T, k, n, (int)nt);
 }
