@@ -324,35 +324,93 @@ static inline float dot(const float *a, const kt *b, int64_t n) {
     return sum;
 }
 
-/* out[j] = q_j . row for nh queries q_j = q + j * n, four at a time (each row load shared). */
-static void dot_rows(const float *q, int64_t nh, int64_t n, const kt *row, float *out) {
-    int64_t j = 0;
-    for (; j + 4 <= nh; j += 4) {
-        const float *q0 = q + j * n, *q1 = q0 + n, *q2 = q1 + n, *q3 = q2 + n;
-        v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-        int64_t i = 0;
-        for (; i + 8 <= n; i += 8) {
-            const v8 r = load8(row + i);
-            a0 += *(const v8 *)(q0 + i) * r;
-            a1 += *(const v8 *)(q1 + i) * r;
-            a2 += *(const v8 *)(q2 + i) * r;
-            a3 += *(const v8 *)(q3 + i) * r;
-        }
-        float s0 = hsum(a0), s1 = hsum(a1), s2 = hsum(a2), s3 = hsum(a3);
-        for (; i < n; i++) {
-            const float r = load1(row + i);
-            s0 += q0[i] * r, s1 += q1[i] * r, s2 += q2[i] * r, s3 += q3[i] * r;
-        }
-        out[j] = s0, out[j + 1] = s1, out[j + 2] = s2, out[j + 3] = s3;
-    }
-    for (; j < nh; j++) out[j] = dot(q + j * n, row, n);
-}
-
 /* y[:n] += a * x[:n] */
 static inline void axpy(float *y, float a, const kt *x, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) *(v8 *)(y + i) += a * load8(x + i);
     for (; i < n; i++) y[i] += a * load1(x + i);
+}
+
+/* Start loading x[:n] into the cache. */
+static inline void fetch(const kt *x, int64_t n) {
+    for (int64_t off = 0; off < n * (int64_t)sizeof(kt); off += 64) __builtin_prefetch((const char *)x + off);
+}
+
+/* out[j * ld + r] = q_j . row_r for queries q_j = q + j * n (j < nh) and cache rows
+ * row_r = rows + r * n (r < ns): tiles of 4 queries x 2 rows, so each load feeds 2-4 products.
+ * The rows come from memory (each sequence's own cache), so `next` (the block after, or NULL)
+ * is fetched ahead while these are scored, a row of it per row scored. */
+static void score_rows(const float *q, int64_t nh, int64_t n, const kt *rows, int64_t ns,
+                       float *out, int64_t ld, const kt *next) {
+    const int64_t nv = n / 8 * 8;
+    if (next && nh < 4) fetch(next, ns * n);
+    int64_t j = 0;
+    for (; j + 4 <= nh; j += 4) {
+        const float *q0 = q + j * n, *q1 = q0 + n, *q2 = q1 + n, *q3 = q2 + n;
+        int64_t r = 0;
+        for (; r + 2 <= ns; r += 2) {
+            if (next && j == 0) fetch(next + r * n, 2 * n);
+            const kt *r0 = rows + r * n, *r1 = r0 + n;
+            v8 a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0}, a30 = {0}, a31 = {0};
+            for (int64_t i = 0; i < nv; i += 8) {
+                const v8 k0 = load8(r0 + i), k1 = load8(r1 + i);
+                v8 qv = *(const v8 *)(q0 + i);
+                a00 += qv * k0, a01 += qv * k1;
+                qv = *(const v8 *)(q1 + i);
+                a10 += qv * k0, a11 += qv * k1;
+                qv = *(const v8 *)(q2 + i);
+                a20 += qv * k0, a21 += qv * k1;
+                qv = *(const v8 *)(q3 + i);
+                a30 += qv * k0, a31 += qv * k1;
+            }
+            float s[8] = {hsum(a00), hsum(a01), hsum(a10), hsum(a11),
+                          hsum(a20), hsum(a21), hsum(a30), hsum(a31)};
+            for (int64_t i = nv; i < n; i++) {
+                const float k0 = load1(r0 + i), k1 = load1(r1 + i);
+                s[0] += q0[i] * k0, s[1] += q0[i] * k1, s[2] += q1[i] * k0, s[3] += q1[i] * k1;
+                s[4] += q2[i] * k0, s[5] += q2[i] * k1, s[6] += q3[i] * k0, s[7] += q3[i] * k1;
+            }
+            for (int m = 0; m < 4; m++) out[(j + m) * ld + r] = s[2 * m], out[(j + m) * ld + r + 1] = s[2 * m + 1];
+        }
+        for (; r < ns; r++) {
+            if (next && j == 0) fetch(next + r * n, n);
+            for (int m = 0; m < 4; m++) out[(j + m) * ld + r] = dot(q + (j + m) * n, rows + r * n, n);
+        }
+    }
+    for (; j < nh; j++)
+        for (int64_t r = 0; r < ns; r++) out[j * ld + r] = dot(q + j * n, rows + r * n, n);
+}
+
+/* acc_j[:L] += sum_r p[j * ld + r] * row_r[:L] for j < nh, r < ns (rows `stride` apart): tiles of
+ * 4 heads x 16 columns kept in registers over the rows, so a row's load feeds 4 heads. */
+static void weigh_rows(const float *p, int64_t nh, int64_t ld, const kt *rows, int64_t stride,
+                       int64_t ns, float *acc, int64_t L) {
+    const int64_t l16 = L / 16 * 16;
+    int64_t j = 0;
+    for (; j + 4 <= nh; j += 4) {
+        const float *p0 = p + j * ld, *p1 = p0 + ld, *p2 = p1 + ld, *p3 = p2 + ld;
+        float *y0 = acc + j * L, *y1 = y0 + L, *y2 = y1 + L, *y3 = y2 + L;
+        for (int64_t c = 0; c < l16; c += 16) {
+            v8 a0 = *(v8 *)(y0 + c), b0 = *(v8 *)(y0 + c + 8), a1 = *(v8 *)(y1 + c),
+               b1 = *(v8 *)(y1 + c + 8), a2 = *(v8 *)(y2 + c), b2 = *(v8 *)(y2 + c + 8),
+               a3 = *(v8 *)(y3 + c), b3 = *(v8 *)(y3 + c + 8);
+            for (int64_t r = 0; r < ns; r++) {
+                const kt *row = rows + r * stride + c;
+                const v8 lo = load8(row), hi = load8(row + 8);
+                a0 += p0[r] * lo, b0 += p0[r] * hi, a1 += p1[r] * lo, b1 += p1[r] * hi;
+                a2 += p2[r] * lo, b2 += p2[r] * hi, a3 += p3[r] * lo, b3 += p3[r] * hi;
+            }
+            *(v8 *)(y0 + c) = a0, *(v8 *)(y0 + c + 8) = b0, *(v8 *)(y1 + c) = a1;
+            *(v8 *)(y1 + c + 8) = b1, *(v8 *)(y2 + c) = a2, *(v8 *)(y2 + c + 8) = b2;
+            *(v8 *)(y3 + c) = a3, *(v8 *)(y3 + c + 8) = b3;
+        }
+        if (l16 < L)
+            for (int m = 0; m < 4; m++)
+                for (int64_t r = 0; r < ns; r++)
+                    axpy(acc + (j + m) * L + l16, p[(j + m) * ld + r], rows + r * stride + l16, L - l16);
+    }
+    for (; j < nh; j++)
+        for (int64_t r = 0; r < ns; r++) axpy(acc + j * L, p[j * ld + r], rows + r * stride, L);
 }
 
 /* dst[:n] = src[:n] as cache elements */
@@ -449,16 +507,15 @@ static void attention(const pd_dims *d, const pd_layer *l, const pd_batch *b, kt
             const int32_t *table = b->block_tables + b->token_seq[t] * b->block_table_stride;
             float best[256], total[256]; /* per head: running max, then the softmax sum */
             for (int64_t j = 0; j < nh; j++) best[j] = -INFINITY, total[j] = 0.0f;
-            for (int64_t s0 = 0; s0 < ctx; s0 += BS) { /* scores: each cached row read once */
-                const kt *block = kv_cache + (int64_t)table[s0 / BS] * BS * E;
-                for (int64_t s = s0; s < MIN(ctx, s0 + BS); s++) {
-                    float dots[256];
-                    dot_rows(qc, nh, E, block + (s - s0) * E, dots);
-                    for (int64_t j = 0; j < nh; j++) {
-                        const float sc = dots[j] * d->attn_scale;
-                        scores[j * ctx + s] = sc;
-                        best[j] = sc > best[j] ? sc : best[j];
-                    }
+            for (int64_t s0 = 0; s0 < ctx; s0 += BS) /* scores, block by block */
+                score_rows(qc, nh, E, kv_cache + (int64_t)table[s0 / BS] * BS * E,
+                           MIN(BS, ctx - s0), scores + s0, ctx,
+                           s0 + BS < ctx ? kv_cache + (int64_t)table[s0 / BS + 1] * BS * E : NULL);
+            for (int64_t j = 0; j < nh; j++) {
+                float *sj = scores + j * ctx;
+                for (int64_t s = 0; s < ctx; s++) {
+                    sj[s] *= d->attn_scale;
+                    best[j] = sj[s] > best[j] ? sj[s] : best[j];
                 }
             }
             for (int64_t j = 0; j < nh; j++) {
@@ -476,12 +533,9 @@ static void attention(const pd_dims *d, const pd_layer *l, const pd_batch *b, kt
                 total[j] = hsum(sum);
             }
             memset(acc, 0, sizeof(float) * nh * L);
-            for (int64_t s0 = 0; s0 < ctx; s0 += BS) { /* probabilities @ latents, rows once */
-                const kt *block = kv_cache + (int64_t)table[s0 / BS] * BS * E;
-                for (int64_t s = s0; s < MIN(ctx, s0 + BS); s++)
-                    for (int64_t j = 0; j < nh; j++)
-                        axpy(acc + j * L, scores[j * ctx + s], block + (s - s0) * E, L);
-            }
+            for (int64_t s0 = 0; s0 < ctx; s0 += BS) /* probabilities @ latents */
+                weigh_rows(scores + s0, nh, ctx, kv_cache + (int64_t)table[s0 / BS] * BS * E, E,
+                           MIN(BS, ctx - s0), acc, L);
             for (int64_t j = 0; j < nh; j++) /* normalise: sum_s p_s c_s / sum_s p_s */
                 for (int64_t i = 0; i < L; i++) acc[j * L + i] /= total[j];
             for (int64_t j = 0; j < nh; j++) /* values: latent [L] @ w_uv[h] [L, V] */
