@@ -43,16 +43,18 @@ pytestmark = pytest.mark.skipif(
 BLOCK = 4
 
 
-def _prefill(model: DeepseekV3ForCausalLM, caches: torch.Tensor, lens: list[int], seed: int):
+def _prefill(
+    model: DeepseekV3ForCausalLM, caches: torch.Tensor, lens: list[int], seed: int, room: int = 8
+):
     """Fill the caches of len(lens) sequences through the torch path; returns their tokens and
-    block lists (scattered blocks)."""
+    block lists (scattered blocks, with room for `room` more tokens each)."""
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     tokens = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens]
     free = torch.randperm(caches.shape[1] - 1, generator=gen).add(1).tolist()
     blocks = []
     for n in lens:
-        count = -(-(n + 8) // BLOCK)  # room for 8 more tokens
+        count = -(-(n + room) // BLOCK)
         blocks.append([free.pop() for _ in range(count)])
     batch = ForwardBatch.build(tokens, [0] * len(lens), blocks, BLOCK, [True] * len(lens), "cpu")
     path, model.cpu_layers = model.cpu_layers, None
@@ -93,20 +95,21 @@ def _assert_agree(results: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("name", ["base", "yarn_noqlora", "yarn_dense2"])
-@pytest.mark.parametrize("kind", ["decodes", "chunks", "mixed"])
+@pytest.mark.parametrize("kind", ["decodes", "chunks", "mixed", "long"])
 @torch.inference_mode()
 def test_c_path_matches_the_torch_path(reference_models: dict, name: str, kind: str) -> None:
     ref = reference_models[name]
     config = ModelConfig.from_dir(ref.path)
     model = load_model(ref.path, config, torch.device("cpu"), torch.float32)
     assert model.cpu_layers is not None
-    caches = torch.zeros(config.num_hidden_layers, 48, BLOCK, config.kv_cache_dim)
+    caches = torch.zeros(config.num_hidden_layers, 64, BLOCK, config.kv_cache_dim)
     lens = [23, 9, 1, 14]
-    tokens, blocks = _prefill(model, caches, lens, seed=len(kind))
+    tokens, blocks = _prefill(model, caches, lens, seed=len(kind), room=40)
     new = {
         "decodes": [[5], [6], [7], [8]],
         "chunks": [[5, 6, 7], [8, 9], [1, 2, 3, 4, 5, 6, 7], [3]],
         "mixed": [[5], [6], [7, 8, 9, 10], [11, 12]],
+        "long": [[5], list(range(1, 41)), [7, 8], [9]],  # 43 tokens: the many-token products
     }[kind]
     batch = ForwardBatch.build(new, lens, blocks, BLOCK, [True] * 4, "cpu")
     moe = model.moe_layers
