@@ -178,22 +178,52 @@ def _library(dtype: torch.dtype) -> ctypes.CDLL | None:
         ctypes.POINTER(Dims), ctypes.POINTER(Layer), ctypes.c_int64, _f32, ctypes.c_int64,
         _i64, _i64, _i64, _i32, ctypes.c_int64, _f32, _f32, _w, ctypes.c_int64, _i64, _f32,
     ]  # fmt: skip
-    lib.pd_matmul.restype = None
-    lib.pd_matmul.argtypes = [_f32, _w, _f32, *(ctypes.c_int64,) * 4]
+    lib.pd_matmul.restype = ctypes.c_int
+    lib.pd_matmul.argtypes = [
+        _f32,
+        _f32,
+        _w,
+        _f32,
+        *(ctypes.c_int64,) * 4,
+        _f32,
+        _f32,
+        ctypes.c_float,
+    ]
     lib.dtype = dtype
     return lib
 
 
-def matmul(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, num_threads: int) -> torch.Tensor:
+def matmul(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    num_threads: int,
+    norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+    x2: torch.Tensor | None = None,
+    norm2: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x [T, k] fp32 @ w [k, n] (the library's dtype) -> [T, n] fp32, contiguous CPU tensors (the C
-    products, which stay bound by reading w at a few rows where a BLAS GEMM of that shape is
-    not)."""
-    if not (x.is_contiguous() and w.is_contiguous()) or x.shape[1] != w.shape[0]:
+    products, which stay bound by reading w at a few rows where a BLAS GEMM of that shape is not).
+    With `norm` [k] each row of x is RMS-normed first (`eps`); with `x2` [T, k/2] and `norm2` the
+    input is cat(rms_norm(x) * norm, rms_norm(x2) * norm2) (x then [T, k/2])."""
+    rows, k = x.shape[0], w.shape[0]
+    width = k // 2 if x2 is not None else k
+    if not (x.is_contiguous() and w.is_contiguous()) or x.shape[1] != width:
         raise ValueError(
             f"matmul needs contiguous [T, k] @ [k, n]: {tuple(x.shape)} @ {tuple(w.shape)}"
         )
-    y = torch.empty(x.shape[0], w.shape[1], dtype=torch.float32)
-    lib.pd_matmul(f32(x), weights(w, lib.dtype), f32(y), *x.shape, w.shape[1], num_threads)
+    if x2 is not None and (
+        norm is None or norm2 is None or x2.shape != x.shape or not x2.is_contiguous()
+    ):
+        raise ValueError("a joined input needs both norms and a second input shaped like the first")
+    y = torch.empty(rows, w.shape[1], dtype=torch.float32)
+    status = lib.pd_matmul(
+        f32(x), f32(x2), weights(w, lib.dtype), f32(y), rows, k, w.shape[1], num_threads,
+        f32(norm), f32(norm2), eps,
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("the CPU matmul could not allocate its work buffer")
     return y
 
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from pdmesh_engine.cpu_dtype import has_native_bf16
 from pdmesh_engine.forward_batch import ForwardBatch
-from pdmesh_engine.model.layers import DenseMLP
+from pdmesh_engine.model.layers import DenseMLP, RMSNorm
 from pdmesh_engine.model.moe import ExpertLoadRecorder, ExpertPlacement, LocalDispatcher, MoE
 from pdmesh_kernels import cpu_layers
 from pdmesh_kernels.cpu_layers import Dims, Layer, f32, i64, weights
@@ -92,6 +92,7 @@ class CpuLayerPath:
         self.tables = (Layer * len(self.layers))()
         self.mtp_tables = (Layer * len(self.mtp_layers))()
         self._fp32: list[torch.Tensor] = []  # fp32 copies of a bf16 model's norms and biases
+        self._norms: dict[int, torch.Tensor] = {}  # the same for the norms of `linear` products
         for table, layer in zip(self.tables, self.layers, strict=True):
             self._fill(table, layer)
         for table, layer in zip(self.mtp_tables, self.mtp_layers, strict=True):
@@ -158,14 +159,44 @@ class CpuLayerPath:
         )
         return x.to(dtype)
 
-    def linear(self, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor | None:
-        """x [S, in] @ a bias-free linear -> [S, out] fp32 by the C product (the heads' logits, the
-        MTP input projection), or None where torch is the faster (fp32, more than
-        `MAX_LOGIT_ROWS` rows) or x is not on CPU."""
+    def linear(
+        self, x: torch.Tensor, linear: nn.Linear, norm: RMSNorm | None = None
+    ) -> torch.Tensor | None:
+        """linear(norm(x)) for x [S, in] and a bias-free linear -> [S, out] fp32 by the C product
+        (the heads' logits), or None where torch is the faster (fp32, more than `MAX_LOGIT_ROWS`
+        rows) or x is not on CPU."""
         if x.device.type != "cpu" or (not self.unbounded and x.shape[0] > MAX_LOGIT_ROWS):
             return None
         x = x.to(torch.float32).contiguous()
-        return cpu_layers.matmul(self.lib, x, _t(linear), torch.get_num_threads())
+        if norm is None:
+            return cpu_layers.matmul(self.lib, x, _t(linear), torch.get_num_threads())
+        weight, eps = self._norm(norm), norm.eps
+        return cpu_layers.matmul(self.lib, x, _t(linear), torch.get_num_threads(), weight, eps)
+
+    def mtp_input(
+        self, embeds: torch.Tensor, prev_hidden: torch.Tensor, mtp: MTPLayer
+    ) -> torch.Tensor:
+        """The MTP block's input eh_proj(cat(enorm(embeds), hnorm(prev_hidden))) [T, D] fp32, in
+        one C call (as `MTPLayer.block_input` computes it)."""
+        return cpu_layers.matmul(
+            self.lib,
+            embeds.to(torch.float32).contiguous(),
+            _t(mtp.eh_proj),
+            torch.get_num_threads(),
+            self._norm(mtp.enorm),
+            mtp.enorm.eps,
+            prev_hidden.to(torch.float32).contiguous(),
+            self._norm(mtp.hnorm),
+        )
+
+    def _norm(self, norm: RMSNorm) -> torch.Tensor:
+        """An RMSNorm's weight in fp32 (the weight itself in an fp32 model, else a copy kept)."""
+        weight = norm.weight
+        if weight.dtype == torch.float32:
+            return weight
+        if id(weight) not in self._norms:
+            self._norms[id(weight)] = weight.float()
+        return self._norms[id(weight)]
 
     def _token_seq(self, batch: ForwardBatch) -> torch.Tensor:
         """Each token's sequence (its row of the block tables)."""

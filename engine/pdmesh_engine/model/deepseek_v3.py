@@ -12,7 +12,7 @@ Legend: T tokens, D hidden size, S sampled rows.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -31,9 +31,6 @@ from pdmesh_engine.model.moe import (
 )
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-
-# (x, linear) -> linear(x), by another product (the CPU path's C product)
-Project = Callable[[torch.Tensor, nn.Linear], torch.Tensor]
 
 
 class DecoderLayer(nn.Module):
@@ -110,13 +107,9 @@ class MTPLayer(nn.Module):
     ) -> torch.Tensor:
         return self.block(self.block_input(embeds, prev_hidden), batch, kv_cache, rope, meta)
 
-    def block_input(
-        self, embeds: torch.Tensor, prev_hidden: torch.Tensor, project: Project | None = None
-    ) -> torch.Tensor:
-        """eh_proj(cat(enorm(embeds), hnorm(prev_hidden))): the block's input [T, D], the product
-        by `project` where given."""
-        joined = torch.cat((self.enorm(embeds), self.hnorm(prev_hidden)), dim=-1)
-        return self.eh_proj(joined) if project is None else project(joined, self.eh_proj)
+    def block_input(self, embeds: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
+        """eh_proj(cat(enorm(embeds), hnorm(prev_hidden))): the block's input [T, D]."""
+        return self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(prev_hidden)), dim=-1))
 
 
 class DeepseekV3ForCausalLM(nn.Module):
@@ -224,7 +217,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         mtp = self.mtp[0]
         if self.cpu_layers is not None and self.cpu_layers.takes(batch, mtp_kv_caches):
             embeds = self.embed_tokens(next_ids)
-            x = mtp.block_input(embeds, prev_hidden, self._linear).to(embeds.dtype)
+            x = self.cpu_layers.mtp_input(embeds, prev_hidden, mtp).to(embeds.dtype)
             return self.cpu_layers.run(x, batch, mtp_kv_caches, mtp=True)
         meta = self.attention_metadata(batch, mtp_kv_caches)
         return mtp(
@@ -235,15 +228,17 @@ class DeepseekV3ForCausalLM(nn.Module):
         """x [S, D] (`forward_mtp` rows) -> [S, vocab] fp32: the MTP layer's own head (predicts the
         token two places after the row's position)."""
         mtp = self.mtp[0]
-        return self._linear(mtp.shared_head_norm(x), mtp.shared_head).float()
+        return self._linear(x, mtp.shared_head, mtp.shared_head_norm).float()
 
-    def _linear(self, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
-        """linear(x): by the C product where the CPU path takes it (then fp32)."""
+    def _linear(
+        self, x: torch.Tensor, linear: nn.Linear, norm: RMSNorm | None = None
+    ) -> torch.Tensor:
+        """linear(norm(x)): by the C product where the CPU path takes it (then fp32)."""
         if self.cpu_layers is not None:
-            y = self.cpu_layers.linear(x, linear)
+            y = self.cpu_layers.linear(x, linear, norm)
             if y is not None:
                 return y
-        return linear(x)
+        return linear(x if norm is None else norm(x))
 
     # ----- weights -----
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -286,6 +281,9 @@ class DeepseekV3ForCausalLM(nn.Module):
             )
         for layer in list(self.layers) + [m.block for m in self.mtp]:
             layer.self_attn.process_weights()
+        for mtp in self.mtp:  # DeepSeek's MTP head is a copy of the output head: hold (read) one
+            if torch.equal(mtp.shared_head.weight, self.lm_head.weight):
+                mtp.shared_head.weight = self.lm_head.weight
 
     @torch.no_grad()
     def use_cpu_layouts(self) -> None:

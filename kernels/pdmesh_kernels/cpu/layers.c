@@ -744,7 +744,24 @@ int pd_forward_layers(const pd_dims *d, const pd_layer *layers, int64_t num_laye
     return 0;
 }
 
-/* Y [T, n] = X [T, k] @ W [k, n] with `nt` threads: the heads' logits of a few rows. */
-void pd_matmul(const float *X, const wt *W, float *Y, int64_t T, int64_t k, int64_t n, int64_t nt) {
+/* Y [T, n] = X [T, k] @ W [k, n] with `nt` threads (the heads' logits, the MTP input
+ * projection), each row of X first RMS-normed by `norm` [k] where given (NULL: as it is), and
+ * X = cat(rms_norm(X [T, k/2]) * norm, rms_norm(X2 [T, k/2]) * norm2) where X2 is given (the MTP
+ * block's input). Returns 0, or -1 when out of memory. */
+int pd_matmul(const float *X, const float *X2, const wt *W, float *Y, int64_t T, int64_t k,
+              int64_t n, int64_t nt, const float *norm, const float *norm2, float eps) {
+    float *normed = NULL;
+    if (norm) {
+        normed = malloc(sizeof(float) * T * k);
+        if (!normed) return -1;
+        const int64_t w = X2 ? k / 2 : k;
+        for (int64_t t = 0; t < T; t++) {
+            rms_norm(X + t * w, norm, normed + t * k, w, eps);
+            if (X2) rms_norm(X2 + t * w, norm2, normed + t * k + w, w, eps);
+        }
+        X = normed;
+    }
     matmul(X, W, Y, T, k, n, (int)nt);
+    free(normed);
+    return 0;
 }
