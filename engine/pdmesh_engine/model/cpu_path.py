@@ -137,7 +137,7 @@ class CpuLayerPath:
         (the decoder's, final norm applied), or with `mtp` the MTP block's output over its own cache
         `kv_caches`. The layers run in fp32 either way."""
         dtype = x.dtype
-        x = x.to(torch.float32).contiguous()
+        x = _fp32(x)
         tables, layers = (self.mtp_tables, self.mtp_layers) if mtp else (self.tables, self.layers)
         self._refresh_placements(tables, layers)
         self.dims.block_size = kv_caches.shape[2]
@@ -157,7 +157,7 @@ class CpuLayerPath:
             load_counts=expert_load.current if expert_load is not None and not mtp else None,
             final_norm=None if mtp else self.final_norm,
         )
-        return x.to(dtype)
+        return x if dtype == torch.float32 else x.to(dtype)
 
     def linear(
         self, x: torch.Tensor, linear: nn.Linear, norm: RMSNorm | None = None
@@ -167,7 +167,7 @@ class CpuLayerPath:
         rows) or x is not on CPU."""
         if x.device.type != "cpu" or (not self.unbounded and x.shape[0] > MAX_LOGIT_ROWS):
             return None
-        x = x.to(torch.float32).contiguous()
+        x = _fp32(x)
         if norm is None:
             return cpu_layers.matmul(self.lib, x, _t(linear), torch.get_num_threads())
         weight, eps = self._norm(norm), norm.eps
@@ -180,12 +180,12 @@ class CpuLayerPath:
         one C call (as `MTPLayer.block_input` computes it)."""
         return cpu_layers.matmul(
             self.lib,
-            embeds.to(torch.float32).contiguous(),
+            _fp32(embeds),
             _t(mtp.eh_proj),
             torch.get_num_threads(),
             self._norm(mtp.enorm),
             mtp.enorm.eps,
-            prev_hidden.to(torch.float32).contiguous(),
+            _fp32(prev_hidden),
             self._norm(mtp.hnorm),
         )
 
@@ -289,6 +289,13 @@ def _unsupported(model: DeepseekV3ForCausalLM) -> str | None:
         if moe.local_slots != range(moe.placement.num_physical):
             return "this process holds only some slots"
     return None
+
+
+def _fp32(x: torch.Tensor) -> torch.Tensor:
+    """x as a contiguous fp32 tensor (itself when it is one: no op dispatched)."""
+    if x.dtype != torch.float32:
+        x = x.float()
+    return x if x.is_contiguous() else x.contiguous()
 
 
 def _contiguous(tensor: torch.Tensor, name: str) -> torch.Tensor:

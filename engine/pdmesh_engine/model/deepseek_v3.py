@@ -33,6 +33,10 @@ from pdmesh_engine.model.moe import (
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
+def _as_fp32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float32 else x.float()
+
+
 class DecoderLayer(nn.Module):
     def __init__(
         self,
@@ -199,7 +203,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         return AttentionMetadata(cos, sin, gather)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._linear(hidden, self.lm_head).float()
+        return _as_fp32(self._linear(hidden, self.lm_head))
 
     def forward_mtp(
         self,
@@ -217,7 +221,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         mtp = self.mtp[0]
         if self.cpu_layers is not None and self.cpu_layers.takes(batch, mtp_kv_caches):
             embeds = self.embed_tokens(next_ids)
-            x = self.cpu_layers.mtp_input(embeds, prev_hidden, mtp).to(embeds.dtype)
+            x = self.cpu_layers.mtp_input(embeds, prev_hidden, mtp)
+            x = x if x.dtype == embeds.dtype else x.to(embeds.dtype)
             return self.cpu_layers.run(x, batch, mtp_kv_caches, mtp=True)
         meta = self.attention_metadata(batch, mtp_kv_caches)
         return mtp(
@@ -228,7 +233,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         """x [S, D] (`forward_mtp` rows) -> [S, vocab] fp32: the MTP layer's own head (predicts the
         token two places after the row's position)."""
         mtp = self.mtp[0]
-        return self._linear(x, mtp.shared_head, mtp.shared_head_norm).float()
+        return _as_fp32(self._linear(x, mtp.shared_head, mtp.shared_head_norm))
 
     def _linear(
         self, x: torch.Tensor, linear: nn.Linear, norm: RMSNorm | None = None
