@@ -138,7 +138,8 @@ def _capture_router_inputs(llm: LLM, prompts: list[list[int]]) -> list[torch.Ten
     """Runs prefill over `prompts`; returns each main-model MoE layer's router inputs [N, D]."""
     from pdmesh_engine.sampling import SamplingParams
 
-    moe = llm.engine.runner.model.moe_layers
+    model = llm.engine.runner.model
+    moe = model.moe_layers
     captured: list[list[torch.Tensor]] = [[] for _ in moe]
     hooks = [
         m.gate.register_forward_pre_hook(
@@ -146,11 +147,13 @@ def _capture_router_inputs(llm: LLM, prompts: list[list[int]]) -> list[torch.Ten
         )
         for i, m in enumerate(moe)
     ]
+    cpu_layers, model.cpu_layers = model.cpu_layers, None  # the hooks see the torch path only
     try:
         llm.generate(
             [{"prompt_ids": p} for p in prompts], SamplingParams(max_tokens=1, temperature=0.0)
         )
     finally:
+        model.cpu_layers = cpu_layers
         for h in hooks:
             h.remove()
     return [torch.cat(c) for c in captured]

@@ -6,10 +6,12 @@
   mixed, the hidden states, the cache entries written and the expert loads recorded agree;
 - a placement with replicas (slots chosen by token index) and a switch to another placement
   between steps are followed, with the same recorded slots as the torch path;
-- the MTP block agrees too, and so do the heads' logits (the C product up to `MAX_LOGIT_ROWS`
-  rows, torch above);
+- the MTP block agrees too, and so do the heads' logits;
+- a row's hidden state, cache entry and logits are bit-identical alone or beside other rows (one
+  decode against the same decode in a batch with a long chunk), which greedy speculative
+  decoding's equality with plain decoding rests on;
 - a forward on the C path runs a handful of aten ops whatever the layer count; batches above
-  `MAX_TOKENS` (decodes: `MAX_DECODES`) take the torch path; DEP (experts on other ranks) and
+  and every batch takes the C path; DEP (experts on other ranks) and
   `PDMESH_CPU_LAYERS=0` keep the torch path;
 - the library is compiled once into the kernel cache and loaded from there afterwards.
 """
@@ -28,7 +30,6 @@ from small_models import small_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pdmesh_engine.config import ModelConfig
-from pdmesh_engine.cpu_dtype import has_native_bf16
 from pdmesh_engine.forward_batch import ForwardBatch
 from pdmesh_engine.model import cpu_path
 from pdmesh_engine.model.deepseek_v3 import DeepseekV3ForCausalLM
@@ -237,9 +238,9 @@ def test_mtp_block_matches_the_torch_path() -> None:
     torch.testing.assert_close(caches, expected_kv, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 7, cpu_path.MAX_LOGIT_ROWS, cpu_path.MAX_LOGIT_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 3, 7, 40, 300])
 @torch.inference_mode()
-def test_the_heads_match_torch_and_many_rows_take_torch(rows: int) -> None:
+def test_the_heads_match_torch_and_a_row_is_the_same_in_any_batch(rows: int) -> None:
     model = _random_model()
     x = torch.randn(rows, model.config.hidden_size, generator=torch.Generator().manual_seed(rows))
     path = model.cpu_layers
@@ -247,9 +248,9 @@ def test_the_heads_match_torch_and_many_rows_take_torch(rows: int) -> None:
     expected = model.lm_head(x)
     expected_mtp = model.mtp[0].shared_head(model.mtp[0].shared_head_norm(x))
     by_c = path.linear(x, model.lm_head)
-    assert (by_c is None) == (rows > cpu_path.MAX_LOGIT_ROWS)
-    if by_c is not None:
-        torch.testing.assert_close(by_c, expected, rtol=1e-4, atol=1e-4)
+    assert by_c is not None
+    torch.testing.assert_close(by_c, expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(model.compute_logits(x[-1:]), by_c[-1:])
     torch.testing.assert_close(model.compute_logits(x), expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(model.compute_mtp_logits(x), expected_mtp, rtol=1e-4, atol=1e-4)
 
@@ -280,11 +281,6 @@ def test_bf16_weights_and_cache_follow_the_fp32_path() -> None:
     # the entries written are the fp32 path's, rounded to bf16
     torch.testing.assert_close(kv.float(), expected_kv, rtol=1e-2, atol=1e-2)
     assert not torch.equal(kv.float(), caches)
-    # without bf16 instructions torch's bf16 GEMMs are far slower: the C path takes every batch
-    n = cpu_path.MAX_TOKENS // 3 + 1  # chunks of 3 tokens, more than MAX_TOKENS in all
-    big = ForwardBatch.build([[1, 2, 3]] * n, [0] * n, [[1]] * n, BLOCK, [True] * n, "cpu")
-    assert path.takes(big, kv) == (not has_native_bf16())
-    assert ref.cpu_layers is None or not ref.cpu_layers.takes(big, caches)
     logits, expected_logits = model.compute_logits(hidden), ref.compute_logits(expected)
     torch.testing.assert_close(logits, expected_logits, rtol=5e-2, atol=5e-2 * scale)
     assert torch.equal(logits.argmax(-1), expected_logits.argmax(-1))
@@ -301,7 +297,7 @@ class _OpCount(TorchDispatchMode):
 
 
 @torch.inference_mode()
-def test_a_forward_is_a_few_ops_and_large_batches_take_torch() -> None:
+def test_a_forward_is_a_few_ops_and_every_batch_takes_the_c_path() -> None:
     model = _random_model()
     config = model.config
     caches = torch.zeros(config.num_hidden_layers, 40, BLOCK, config.kv_cache_dim)
@@ -313,16 +309,29 @@ def test_a_forward_is_a_few_ops_and_large_batches_take_torch() -> None:
         model(small, caches)
     model.cpu_layers = path
     assert c_ops.count <= 12 < torch_ops.count  # embedding, the kernel's inputs, the final norm
-    long = [list(range(1, 1 + cpu_path.MAX_TOKENS + 1))]
-    blocks = [list(range(1, 2 + cpu_path.MAX_TOKENS // BLOCK))]
-    big = ForwardBatch.build(long, [0], blocks, BLOCK, [True], "cpu")
-    assert path is not None and not path.takes(big, caches)
-    many = cpu_path.MAX_TOKENS + 1  # as many single-token decodes do take the C path
-    decodes = ForwardBatch.build(
-        [[1]] * many, [0] * many, [[1]] * many, BLOCK, [True] * many, "cpu"
-    )
-    assert path.takes(decodes, caches)
+    n = 100  # chunks of 3 tokens, 300 in all
+    big = ForwardBatch.build([[1, 2, 3]] * n, [0] * n, [[1]] * n, BLOCK, [True] * n, "cpu")
+    assert path is not None and path.takes(big, caches)
     assert path.takes(small, caches) and not path.takes(small, caches.double())
+
+
+@torch.inference_mode()
+def test_a_row_computes_the_same_alone_and_beside_other_rows() -> None:
+    model = _random_model(hidden_size=64, intermediate_size=96, moe_intermediate_size=40)
+    config = model.config
+    caches = torch.zeros(config.num_hidden_layers, 48, BLOCK, config.kv_cache_dim)
+    lens = [11, 5, 17]
+    _, blocks = _prefill(model, caches, lens, seed=7, room=40)
+    alone = ForwardBatch.build([[3]], lens[:1], blocks[:1], BLOCK, [True], "cpu")
+    crowd = ForwardBatch.build(
+        [[3], list(range(2, 39)), [4]], lens, blocks, BLOCK, [True] * 3, "cpu"
+    )  # a decode, a 37-token chunk (many-token products), another decode
+    kv_alone, kv_crowd = caches.clone(), caches.clone()
+    hidden_alone, hidden_crowd = model(alone, kv_alone), model(crowd, kv_crowd)
+    assert torch.equal(hidden_alone[0], hidden_crowd[0])
+    assert torch.equal(kv_alone[:, blocks[0]], kv_crowd[:, blocks[0]])
+    logits = model.compute_logits(hidden_crowd[[0, 1, 37, 38]])
+    assert torch.equal(model.compute_logits(hidden_alone), logits[:1])
 
 
 class _RemoteExperts(ExpertDispatcher):

@@ -1,11 +1,15 @@
-"""The small-batch CPU path: a model's decoder layers as one C call (`pdmesh_kernels.cpu_layers`).
+"""The CPU path: a model's decoder layers as one C call (`pdmesh_kernels.cpu_layers`).
 
-Selected automatically per forward: CPU, fp32 or bf16 weights (the KV cache in the same dtype;
-activations and sums fp32 in both), in-process experts. fp32: at most `MAX_TOKENS` tokens
-(`MAX_DECODES` when the batch is decodes only); larger batches (long prefill chunks) keep the
-torch path, whose GEMMs win there. bf16 on a CPU without bf16 instructions: every batch, since
-torch's bf16 GEMMs there are ~30x slower than its fp32 ones (`small`, one 256-token prefill chunk,
-2 threads: torch 7.2 s in bf16, 0.25 s in fp32; the C path 0.10 s in bf16 for 128 tokens).
+Taken by every forward on CPU with fp32 or bf16 weights (the KV cache in the same dtype;
+activations and sums fp32 in both) and in-process experts, whatever the batch, and by the
+vocabulary heads. One path for every batch keeps a row's result independent of the rows beside
+it: a speculative verify row then computes exactly what the plain decode of that token does, and
+greedy output with speculation equals it without (with the earlier size switch, where batches
+above 128 tokens took torch's GEMMs, `coder` at 32 users matched transformers for 31 of 32
+requests at K = 1; with one path, 32 of 32 at every K). It is also the faster path at every size
+measured (2 threads): `small` prefilling 2 x 256 tokens, 326 ms in fp32 against 476 ms for the
+torch path; in bf16 on a CPU without bf16 instructions torch's GEMMs are ~30x slower than its fp32
+ones (one 256-token chunk 7.2 s) while the C path prefills 128 tokens in 0.10 s.
 
 Every token attends, in the absorbed form, to its own sequence's cached latents up to its
 position; the batch's latents are written to the cache first, so a chunk's tokens see each other
@@ -28,7 +32,6 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from pdmesh_engine.cpu_dtype import has_native_bf16
 from pdmesh_engine.forward_batch import ForwardBatch
 from pdmesh_engine.model.layers import DenseMLP, RMSNorm
 from pdmesh_engine.model.moe import ExpertLoadRecorder, ExpertPlacement, LocalDispatcher, MoE
@@ -40,16 +43,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# The C path runs batches up to these sizes; above, the torch path's GEMMs catch up. Measured on
-# `coder` (2 threads, context 256, median ms per forward, C | torch): decodes 32: 7.8 | 15.9,
-# 128: 20.5 | 42.9, 256: 38.2 | 78.4; one prefill chunk 64: 10.1 | 18.2, 128: 17.7 | 27.5,
-# 192: 32.0 | 40.5, 256: 40.3 | 40.2.
-MAX_TOKENS = 128  # any batch (prefill chunks, speculative verify chunks, decodes)
-MAX_DECODES = 256  # a batch of single-token decodes only
-# Logits of up to this many rows take the C product. Measured (2 threads, cold weights, ms per
-# call, C | torch) on a 256 x 4096 head: 1 row 0.45 | 0.50, 2: 0.38 | 0.63, 4: 0.51 | 1.76,
-# 8: 0.68 | 2.10, 32: 1.48 | 2.45, 128: 5.5 | 4.1; 512 x 8192: 1: 1.1 | 1.5, 4: 2.1 | 8.0.
-MAX_LOGIT_ROWS = 32
+# Measured against the torch path (2 threads, median ms per forward or call, C | torch): `coder`
+# at context 256, decodes 32: 7.8 | 15.9, 128: 20.5 | 42.9, 256: 38.2 | 78.4; one prefill chunk
+# of 128: 17.7 | 27.5. A 256 x 4096 head, cold weights: 1 row 0.45 | 0.50, 4: 0.51 | 1.76,
+# 32: 1.2 | 1.7, 128: 2.9 | 3.0; a 512 x 8192 head at 128 rows 27 | 16 (prompt logprobs only).
 
 
 def _t(linear: nn.Linear) -> torch.Tensor:
@@ -63,8 +60,6 @@ class CpuLayerPath:
     def __init__(self, lib: ctypes.CDLL, model: DeepseekV3ForCausalLM) -> None:
         c = model.config
         self.lib, self.model, self.dtype = lib, model, lib.dtype
-        # every batch and head takes the C path (no size limits): bf16 without bf16 instructions
-        self.unbounded = self.dtype == torch.bfloat16 and not has_native_bf16()
         self.layers = cast("list[DecoderLayer]", list(model.layers))
         self.mtp_layers = [cast("MTPLayer", m).block for m in model.mtp]
         attn = self.layers[0].self_attn
@@ -100,7 +95,7 @@ class CpuLayerPath:
         self.final_norm = model.norm.weight.float()  # the weight itself in an fp32 model
         # the placement each MoE table points at, by its layer (re-pointed when EPLB swaps it)
         self._placements: dict[int, ExpertPlacement] = {}
-        self._arange = torch.arange(MAX_DECODES)
+        self._arange = torch.arange(256)
 
     @classmethod
     def build(cls, model: DeepseekV3ForCausalLM) -> CpuLayerPath | None:
@@ -117,10 +112,8 @@ class CpuLayerPath:
             return None
 
     def takes(self, batch: ForwardBatch, kv_caches: torch.Tensor) -> bool:
-        decodes_only = batch.num_decodes == batch.num_tokens
         return (
-            (self.unbounded or batch.num_tokens <= (MAX_DECODES if decodes_only else MAX_TOKENS))
-            and kv_caches.dtype == self.dtype
+            kv_caches.dtype == self.dtype
             and kv_caches.device.type == "cpu"
             and max(batch.seq_len_list) <= self.model.rope.cos.shape[0]
         )
@@ -163,9 +156,8 @@ class CpuLayerPath:
         self, x: torch.Tensor, linear: nn.Linear, norm: RMSNorm | None = None
     ) -> torch.Tensor | None:
         """linear(norm(x)) for x [S, in] and a bias-free linear -> [S, out] fp32 by the C product
-        (the heads' logits), or None where torch is the faster (fp32, more than `MAX_LOGIT_ROWS`
-        rows) or x is not on CPU."""
-        if x.device.type != "cpu" or (not self.unbounded and x.shape[0] > MAX_LOGIT_ROWS):
+        (the heads' logits), or None where x is not on CPU."""
+        if x.device.type != "cpu":
             return None
         x = _fp32(x)
         if norm is None:
@@ -201,6 +193,8 @@ class CpuLayerPath:
     def _token_seq(self, batch: ForwardBatch) -> torch.Tensor:
         """Each token's sequence (its row of the block tables)."""
         if batch.num_decodes == batch.num_tokens:
+            if batch.num_tokens > self._arange.shape[0]:
+                self._arange = torch.arange(2 * batch.num_tokens)
             return self._arange[: batch.num_tokens]
         starts = batch.query_start_list
         return torch.tensor(

@@ -170,8 +170,12 @@ static void matvec_rows(const float *x, const wt *W, int64_t ldw, float *y, int6
             acc += x3 * load8(w3 + c);
             *(v8 *)(y + c) = acc;
         }
-        for (; c < c1; c++)
-            y[c] += x0 * load1(w0 + c) + x1 * load1(w1 + c) + x2 * load1(w2 + c) + x3 * load1(w3 + c);
+        for (; c < c1; c++) { /* one product at a time, in row order, as the tiles sum */
+            y[c] += x0 * load1(w0 + c);
+            y[c] += x1 * load1(w1 + c);
+            y[c] += x2 * load1(w2 + c);
+            y[c] += x3 * load1(w3 + c);
+        }
     }
     for (; i < k; i++)
         for (int64_t c = c0; c < c1; c++) y[c] += x[i] * load1(W + i * ldw + c);
