@@ -86,13 +86,13 @@ class CpuLayerPath:
         )
         self.tables = (Layer * len(self.layers))()
         self.mtp_tables = (Layer * len(self.mtp_layers))()
-        self._fp32: list[torch.Tensor] = []  # fp32 copies of a bf16 model's norms and biases
-        self._norms: dict[int, torch.Tensor] = {}  # the same for the norms of `linear` products
+        # fp32 copies of a bf16 model's norms, biases and MTP router, by the parameter's id
+        self._fp32: dict[int, torch.Tensor] = {}
         for table, layer in zip(self.tables, self.layers, strict=True):
             self._fill(table, layer)
         for table, layer in zip(self.mtp_tables, self.mtp_layers, strict=True):
             self._fill(table, layer)
-        self.final_norm = model.norm.weight.float()  # the weight itself in an fp32 model
+        self.final_norm = self._as_fp32(model.norm.weight)
         # the placement each MoE table points at, by its layer (re-pointed when EPLB swaps it)
         self._placements: dict[int, ExpertPlacement] = {}
         self._arange = torch.arange(256)
@@ -162,7 +162,7 @@ class CpuLayerPath:
         x = _fp32(x)
         if norm is None:
             return cpu_layers.matmul(self.lib, x, _t(linear), torch.get_num_threads())
-        weight, eps = self._norm(norm), norm.eps
+        weight, eps = self._as_fp32(norm.weight), norm.eps
         return cpu_layers.matmul(self.lib, x, _t(linear), torch.get_num_threads(), weight, eps)
 
     def mtp_input(
@@ -175,20 +175,19 @@ class CpuLayerPath:
             _fp32(embeds),
             _t(mtp.eh_proj),
             torch.get_num_threads(),
-            self._norm(mtp.enorm),
+            self._as_fp32(mtp.enorm.weight),
             mtp.enorm.eps,
             _fp32(prev_hidden),
-            self._norm(mtp.hnorm),
+            self._as_fp32(mtp.hnorm.weight),
         )
 
-    def _norm(self, norm: RMSNorm) -> torch.Tensor:
-        """An RMSNorm's weight in fp32 (the weight itself in an fp32 model, else a copy kept)."""
-        weight = norm.weight
-        if weight.dtype == torch.float32:
-            return weight
-        if id(weight) not in self._norms:
-            self._norms[id(weight)] = weight.float()
-        return self._norms[id(weight)]
+    def _as_fp32(self, param: torch.Tensor) -> torch.Tensor:
+        """A parameter in fp32: itself in an fp32 model, else a copy made once and kept."""
+        if param.dtype == torch.float32:
+            return param
+        if id(param) not in self._fp32:
+            self._fp32[id(param)] = param.float()
+        return self._fp32[id(param)]
 
     def _token_seq(self, batch: ForwardBatch) -> torch.Tensor:
         """Each token's sequence (its row of the block tables)."""
@@ -204,7 +203,9 @@ class CpuLayerPath:
 
     def _fill(self, table: Layer, layer: DecoderLayer) -> None:
         attn = layer.self_attn
-        norm = self._as_fp32
+
+        def norm(param: torch.Tensor | None) -> ctypes._Pointer[ctypes.c_float] | None:
+            return None if param is None else f32(self._as_fp32(param))
 
         def w(tensor: torch.Tensor) -> int | None:
             return weights(tensor, self.dtype)
@@ -239,19 +240,12 @@ class CpuLayerPath:
             table.moe_index = mlp.moe_index
             table.moe_width = mlp.w2.shape[2]
             table.num_slots = mlp.w13.shape[0]
-            table.router = norm(_contiguous(mlp.gate.weight.t(), "the router weight"))
+            router = self._as_fp32(mlp.gate.weight).t()
+            table.router = f32(_contiguous(router, "the router weight"))
             table.router_bias = norm(mlp.gate.e_score_correction_bias)
             table.w13 = w(_contiguous(mlp.w13.transpose(1, 2), "w13"))
             table.w2 = w(_contiguous(mlp.w2.transpose(1, 2), "w2"))
             _set_placement(table, mlp)
-
-    def _as_fp32(self, tensor: torch.Tensor | None) -> ctypes._Pointer[ctypes.c_float] | None:
-        """A pointer to `tensor` in fp32 (a copy, kept alive here, for a bf16 model's norms, biases
-        and MTP router)."""
-        if tensor is not None and tensor.dtype != torch.float32:
-            tensor = tensor.float()
-            self._fp32.append(tensor)
-        return f32(tensor)
 
     def _refresh_placements(self, tables: ctypes.Array[Layer], layers: list[DecoderLayer]) -> None:
         """Point the MoE tables at the placements running now (EPLB swaps them between steps)."""

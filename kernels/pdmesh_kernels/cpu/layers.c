@@ -68,7 +68,7 @@ enum { PAR_MIN_MACS = 1 << 14 };
  * aligned(4) makes loads and stores through it unaligned-safe. */
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 
-/* LOAD8(p): 8 elements at p as fp32 lanes; LOAD1(p): one. bf16 is the top half of an fp32. */
+/* load8(p): 8 elements at p as fp32 lanes; load1(p): one. bf16 is the top half of an fp32. */
 #ifdef PD_BF16
 #ifdef __AVX2__ /* one widening load (vpmovzxwd), where the generic form below takes five ops */
 #include <immintrin.h>
