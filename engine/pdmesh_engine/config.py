@@ -223,6 +223,9 @@ class EngineConfig:
     speculative_method: str | None = None
     num_speculative_tokens: int = 0
     draft_model: str | None = None
+    # decode steps of up to this many requests replay CUDA graphs where the Triton kernels run
+    # (pdmesh_engine.cuda_graphs); 0: every step eager (vLLM's enforce_eager)
+    cuda_graph_max_batch: int = 64
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -241,6 +244,11 @@ class EngineConfig:
             raise ValueError(
                 "max_kv_loads_per_step must be >= 1 (or None: no cap), "
                 f"got {self.max_kv_loads_per_step}"
+            )
+        if self.cuda_graph_max_batch < 0:
+            raise ValueError(
+                f"cuda_graph_max_batch must be >= 0 (0: no CUDA graphs), "
+                f"got {self.cuda_graph_max_batch}"
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")

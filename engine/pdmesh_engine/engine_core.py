@@ -87,10 +87,12 @@ class EngineCore:
             self.config,
             model_kwargs=dep.model_kwargs(self.model_config) if dep else None,
             draft_model_kwargs=dep.draft_model_kwargs if dep else None,
+            reserve_scratch=dep is not None,
         )
         layout = self.runner.kv_layout
-        # DEP: the last block is the dummy forward's scratch
-        num_blocks = layout.num_blocks - (1 if dep else 0)
+        # the last block may be the scratch of DEP's dummy forwards and of CUDA-graph padding
+        scratch = self.runner.scratch_block
+        num_blocks = layout.num_blocks if scratch is None else scratch
         self.kv = KVCacheManager(
             num_blocks,
             layout.block_size,
@@ -127,12 +129,13 @@ class EngineCore:
             )
         self.lockstep: LockstepStepper | None = None
         if dep is not None:
+            assert scratch is not None  # reserved for DEP
             if self.runner.proposer is not None:  # its dummy passes share the scratch block
-                self.runner.proposer.lockstep_scratch = num_blocks
+                self.runner.proposer.lockstep_scratch = scratch
             self.lockstep = LockstepStepper(
                 dep.dp_sync,
                 self.runner,
-                scratch_block=num_blocks,
+                scratch_block=scratch,
                 placement=self.stager,
                 size=dep.config.size,
                 draft_placement=self.draft_stager,

@@ -1,7 +1,9 @@
 """The model runner: owns the weights, the KV memory and the sampler of one engine.
 
-`execute(SchedulerOutput) -> {request_id: SampledToken}`: build a `ForwardBatch`, run the model,
-compute logits only for rows that sample, sample. The only place that touches the device.
+`execute(SchedulerOutput) -> {request_id: SampledToken}`: build a `ForwardBatch`, run the model
+(a decode-only step where the Triton kernels run: by replaying a CUDA graph, see
+pdmesh_engine.cuda_graphs), compute logits only for rows that sample, sample. The only place that
+touches the device.
 
 Per-request device state lives here, keyed by request id, not on the (pure) `Request`: a seeded
 request's `torch.Generator` is made when the request is first sampled and dropped when the scheduler
@@ -32,6 +34,7 @@ import torch
 from pdmesh_engine.checkpoint import DTYPES, iter_tensors
 from pdmesh_engine.config import EngineConfig, ModelConfig
 from pdmesh_engine.cpu_dtype import auto_cpu_dtype
+from pdmesh_engine.cuda_graphs import DecodeGraphs, capture_cuda, capture_eager
 from pdmesh_engine.forward_batch import ForwardBatch
 from pdmesh_engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 from pdmesh_engine.model.moe import ExpertLoadRecorder, MoE
@@ -40,6 +43,7 @@ from pdmesh_engine.sampler import Sampler, SamplerOutput
 from pdmesh_engine.scheduler import SampledToken, SchedulerOutput, SpecTokens
 from pdmesh_engine.spec_proposer import DraftModelProposer, MTPProposer, Proposer, check_draft
 from pdmesh_engine.spec_runner import SpecDecoder
+from pdmesh_kernels import uses_triton
 
 
 def resolve_device(name: str) -> torch.device:
@@ -126,7 +130,7 @@ def load_model(
         layer.set_placement(layer.placement)
     model.rope.materialize(model_config)  # computed buffers, not checkpoint tensors
     model.load_weights(iter_tensors(model_dir))
-    if device.type == "cpu":
+    if device.type == "cpu" and not uses_triton(device):  # else the CUDA path (`force_triton`)
         model.use_cpu_layouts()
     model.eval()
     return model
@@ -141,10 +145,13 @@ class ModelRunner:
         model: DeepseekV3ForCausalLM | None = None,
         model_kwargs: dict[str, Any] | None = None,
         draft_model_kwargs: Callable[[ModelConfig], dict[str, Any]] | None = None,
+        reserve_scratch: bool = False,
     ) -> None:
         """`model_kwargs` go to `DeepseekV3ForCausalLM` (DEP: placements, this rank's slots, the
         dispatcher); `draft_model_kwargs(draft config)` those of a speculative draft model (DEP:
-        its own placement on the same dispatcher)."""
+        its own placement on the same dispatcher). The last KV block is kept as `scratch_block`
+        (written by padding and dummy passes, never handed to a request) with `reserve_scratch`
+        (DEP's dummy forwards) or CUDA graphs."""
         self.config, self.model_config = config, model_config
         self.model_kwargs = model_kwargs or {}
         self.draft_model_kwargs = draft_model_kwargs
@@ -165,6 +172,11 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
+        use_graphs = config.cuda_graph_max_batch > 0 and uses_triton(self.device)
+        self.scratch_block = (
+            self.kv_layout.num_blocks - 1 if reserve_scratch or use_graphs else None
+        )
+        self.graphs = self._make_graphs() if use_graphs else None
         self.sampler = Sampler(seed=config.seed)
         # seeded requests being served, by request id
         self.generators: dict[str, torch.Generator] = {}
@@ -179,6 +191,25 @@ class ModelRunner:
             )
             if moe
             else None
+        )
+
+    def _make_graphs(self) -> DecodeGraphs:
+        """Decode graphs over every block table up to the longest sequence the engine admits."""
+        assert self.scratch_block is not None
+        block_size = self.config.block_size
+        max_len = min(
+            self.config.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+            self.scratch_block * block_size,
+        )
+        capture = capture_cuda() if self.device.type == "cuda" else capture_eager
+        return DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            self.scratch_block,
+            min(self.config.cuda_graph_max_batch, self.config.max_num_seqs),
+            -(-max_len // block_size),
+            capture,
         )
 
     def expert_weight_bytes(self) -> int:
@@ -243,7 +274,10 @@ class ModelRunner:
             [s.needs_sample for s in items],
             self.device,
         )
-        hidden = self.model(batch, self.kv_caches, self.expert_load)
+        if self.graphs is not None and self.graphs.takes(batch):
+            hidden = self.graphs.run(batch, self.expert_load)
+        else:
+            hidden = self.model(batch, self.kv_caches, self.expert_load)
         if self.expert_load is not None:
             self.expert_load.end_step()
         sampling = [requests[s.request_id] for s in items if s.needs_sample]

@@ -15,6 +15,9 @@ the context, then a log-sum-exp merge), and `mla_decode_attention` picks between
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 try:
@@ -27,6 +30,8 @@ except ImportError:  # the torch references still work without Triton
 
 __all__ = [
     "HAS_TRITON",
+    "force_triton",
+    "uses_triton",
     "mla_decode_attention",
     "mla_decode_attention_ref",
     "mla_decode_attention_triton",
@@ -36,8 +41,27 @@ __all__ = [
 # NB: cache blocks, BS: tokens per block, MB: block-table width, T: padded context, S: KV splits.
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_forced = False  # `force_triton`
 _INT_DTYPES = (torch.int32, torch.int64)
 _LOG2E = 1.4426950408889634
+
+
+def uses_triton(device: torch.device) -> bool:
+    """Whether the dispatchers run the Triton kernels for tensors on `device`: on CUDA when Triton
+    is installed, on any device inside `force_triton()`."""
+    return HAS_TRITON and (device.type == "cuda" or _forced)
+
+
+@contextmanager
+def force_triton() -> Iterator[None]:
+    """Run the Triton kernels on CPU tensors too (under TRITON_INTERPRET=1): how the tests walk
+    the engine's CUDA path (its kernels, its CUDA-graph buffers) on a machine without a GPU."""
+    global _forced
+    before, _forced = _forced, True
+    try:
+        yield
+    finally:
+        _forced = before
 
 
 def _check_inputs(
@@ -382,8 +406,9 @@ def mla_decode_attention(
     scale: float,
     use_triton: bool | None = None,
 ) -> torch.Tensor:
-    """Dispatcher: Triton when use_triton is True, or None with CUDA tensors; else the reference."""
+    """Dispatcher: Triton when use_triton is True, or None where `uses_triton`; else the
+    reference."""
     if use_triton is None:
-        use_triton = HAS_TRITON and q_latent.is_cuda
+        use_triton = uses_triton(q_latent.device)
     fn = mla_decode_attention_triton if use_triton else mla_decode_attention_ref
     return fn(q_latent, q_rope, kv_cache, block_tables, seq_lens, scale)

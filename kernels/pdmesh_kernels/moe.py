@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .mla_decode import HAS_TRITON
+from .mla_decode import HAS_TRITON, uses_triton
 
 if HAS_TRITON:
     import triton
@@ -235,9 +235,10 @@ def grouped_expert_mlp(
     w2: torch.Tensor,
     use_triton: bool | None = None,
 ) -> torch.Tensor:
-    """Dispatcher: Triton when use_triton is True, or None with CUDA tensors; else the reference."""
+    """Dispatcher: Triton when use_triton is True, or None where `uses_triton`; else the
+    reference."""
     if use_triton is None:
-        use_triton = HAS_TRITON and x_sorted.is_cuda
+        use_triton = uses_triton(x_sorted.device)
     fn = grouped_expert_mlp_triton if use_triton else grouped_expert_mlp_ref
     return fn(x_sorted, counts, w13, w2)
 

@@ -29,6 +29,7 @@ from pdmesh_engine.model.moe import (
     LocalDispatcher,
     MoE,
 )
+from pdmesh_kernels import uses_triton
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -197,7 +198,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         cos, sin = self.rope.tables(batch.positions, self.embed_tokens.weight.dtype)
         gather = (
             DecodeGather.build(batch, kv_caches.shape[2])
-            if kv_caches.device.type == "cpu"
+            if kv_caches.device.type == "cpu" and not uses_triton(kv_caches.device)
             else None
         )
         return AttentionMetadata(cos, sin, gather)

@@ -182,9 +182,15 @@ class ExpertLoadRecorder:
         self.restart_step = 0  # `step` at the last restart
         self._current = torch.zeros(num_layers, num_physical, dtype=torch.int64, device=device)
 
-    def record(self, layer: int, slot_ids: torch.Tensor) -> None:
+    def record(self, layer: int, slot_ids: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Count slot_ids [T, K]; `valid` [T] int64 0/1: count only rows with 1 (the padding rows of
+        a CUDA-graph bucket have 0)."""
         ids = slot_ids.flatten()
-        self._current[layer].scatter_add_(0, ids, torch.ones_like(ids))
+        if valid is None:
+            counts = torch.ones_like(ids)
+        else:
+            counts = valid[:, None].expand_as(slot_ids).flatten()
+        self._current[layer].scatter_add_(0, ids, counts)
 
     @property
     def current(self) -> torch.Tensor:

@@ -29,6 +29,7 @@ _FLAGS = {
     "num_threads": "--torch-threads",
     "expert_load_window": "--expert-load-window",
     "max_kv_loads_per_step": "--max-kv-loads-per-step",
+    "cuda_graph_max_batch": "--cuda-graph-max-batch",
 }
 
 
@@ -86,6 +87,14 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
         help="decode: at most N requests whose prefilled KV just arrived join the running batch "
         "per step; the rest wait in order for later steps (default: no cap; 0 also means no cap; "
         "upstream found 4 a good value)",
+    )
+    g.add_argument(
+        "--cuda-graph-max-batch",
+        type=int,
+        default=d.cuda_graph_max_batch,
+        metavar="N",
+        help="on a GPU, decode steps of up to N requests replay CUDA graphs (0: always eager, "
+        "like vLLM's --enforce-eager)",
     )
 
 
@@ -151,6 +160,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.torch_threads,
         expert_load_window=args.expert_load_window,
         max_kv_loads_per_step=args.max_kv_loads_per_step or None,
+        cuda_graph_max_batch=args.cuda_graph_max_batch,
     )
 
 
