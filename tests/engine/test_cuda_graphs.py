@@ -44,14 +44,6 @@ BLOCK = 4
 FORBIDDEN = {"_local_scalar_dense", "lift_fresh", "nonzero", "masked_select", "unique_dim"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class _NoHostSync(TorchDispatchMode):
     """Fails on the ops of FORBIDDEN and on boolean-mask indexing."""
 
