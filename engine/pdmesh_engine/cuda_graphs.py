@@ -96,6 +96,8 @@ class _PaddedLoads:
 
 
 class DecodeGraphs:
+    """A model's decode steps by bucket: static inputs, one replay per bucket (module docstring)."""
+
     def __init__(
         self,
         model: DeepseekV3ForCausalLM,
