@@ -285,6 +285,12 @@ class EngineConfig:
         if method != "draft_model" and self.draft_model is not None:
             raise ValueError("draft_model is only used with speculative_method='draft_model'")
 
+    def context_limit(self, model_config: ModelConfig, num_tokens_in_pool: int) -> int:
+        """The longest sequence the engine admits: max_model_len (default the model's maximum),
+        within the model's maximum and the KV pool's tokens."""
+        longest = model_config.max_position_embeddings
+        return min(self.max_model_len or longest, longest, num_tokens_in_pool)
+
     @property
     def num_spec_tokens(self) -> int:
         """K: drafts verified per decode step (0: speculative decoding is off)."""

@@ -127,15 +127,18 @@ class DecodeGraphs:
         self.rows = torch.arange(n + 1, dtype=torch.int64, device=device)
         self._graphs: dict[tuple[int, bool], StepFn] = {}
         self._placements = self._current_placements()
+        self._local_experts = all(
+            isinstance(m.dispatcher, LocalDispatcher) for m in model.moe_layers
+        )
 
     def takes(self, batch: ForwardBatch) -> bool:
         """A decode-only batch within the largest bucket and the graphs' block-table width, on a
         model whose experts run in this process."""
         return (
-            batch.num_decodes == batch.num_tokens
+            self._local_experts
+            and batch.num_decodes == batch.num_tokens
             and 0 < batch.num_tokens <= self.buckets[-1]
             and batch.block_tables.shape[1] <= self.max_blocks
-            and all(isinstance(m.dispatcher, LocalDispatcher) for m in self.model.moe_layers)
         )
 
     def run(self, batch: ForwardBatch, expert_load: ExpertLoadRecorder | None) -> torch.Tensor:

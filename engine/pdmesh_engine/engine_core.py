@@ -100,10 +100,8 @@ class EngineCore:
             # the MTP layer's KV at t depends on token t + 1 (KVCacheManager docstring)
             recompute_last_hit=self.config.speculative_method == "mtp",
         )
-        self.max_model_len = min(
-            self.config.max_model_len or self.model_config.max_position_embeddings,
-            self.model_config.max_position_embeddings,
-            num_blocks * layout.block_size,
+        self.max_model_len = self.config.context_limit(
+            self.model_config, num_blocks * layout.block_size
         )
         self.stager = PlacementStager(
             self.runner.model, CheckpointTensors(model_dir), self.runner.expert_load

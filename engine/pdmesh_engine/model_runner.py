@@ -197,11 +197,7 @@ class ModelRunner:
         """Decode graphs over every block table up to the longest sequence the engine admits."""
         assert self.scratch_block is not None
         block_size = self.config.block_size
-        max_len = min(
-            self.config.max_model_len or self.model_config.max_position_embeddings,
-            self.model_config.max_position_embeddings,
-            self.scratch_block * block_size,
-        )
+        max_len = self.config.context_limit(self.model_config, self.scratch_block * block_size)
         capture = capture_cuda() if self.device.type == "cuda" else capture_eager
         return DecodeGraphs(
             self.model,

@@ -41,9 +41,9 @@ __all__ = [
 # NB: cache blocks, BS: tokens per block, MB: block-table width, T: padded context, S: KV splits.
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_forced = False  # `force_triton`
 _INT_DTYPES = (torch.int32, torch.int64)
 _LOG2E = 1.4426950408889634
+_forced = False  # inside `force_triton`
 
 
 def uses_triton(device: torch.device) -> bool:
