@@ -26,6 +26,28 @@ os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 
+def _hold_grpc_aio() -> None:
+    """Keep grpc.aio's process-wide state (its completion queue and poller thread) alive for the
+    whole session, as a service process does: it starts it once and stops it at exit.
+
+    Tests run one event loop after another in this process. grpc.aio counts its live channels and
+    servers, and each time the count drops to 0 it shuts the poller down (joining it) and starts a
+    new one with the next channel: several hundred cycles per run, a path with a history of
+    shutdown races in grpc's tracker (grpc/grpc#40989, #43364, #43421). One reference held from here
+    on means the count never reaches 0 and that path never runs."""
+    import asyncio
+
+    from grpc.experimental import aio
+
+    async def hold() -> None:
+        aio.init_grpc_aio()
+
+    asyncio.run(hold())
+
+
+_hold_grpc_aio()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def one_torch_thread():
     """Test models are far too small for intra-op threads; on a busy 2-core machine they cost
