@@ -128,9 +128,7 @@ TILE(6, 2)
 TILE(5, 2)
 TILE(4, 2)
 TILE(3, 2)
-TILE(2, 4)
 TILE(2, 2)
-TILE(1, 4)
 TILE(1, 2)
 
 /* Columns [c0, c1) of rows [0, T) without a register tile (the ragged edge). */
@@ -150,43 +148,75 @@ static void matmul_edge(const float *X, int64_t ldx, const wt *W, int64_t ldw, f
 
 typedef void tile_fn(const float *, int64_t, const wt *, int64_t, float *, int64_t, int64_t, int);
 
-enum { ROW_BLOCK = 16, PREFETCH_BLOCKS = 2 }; /* rows of W per sweep; blocks fetched ahead */
+enum { STREAM_AHEAD = 8192, STREAM_MAX_T = 8 }; /* bytes of W fetched ahead; tokens per sweep */
 
-/* y[c0:c1] = x[:k] @ W[:k, c0:c1] for one token, streaming W four rows at a time in memory
- * order (y stays in L1): at one token the product is bound by reading W, and this order reads it
- * fastest (measured 8.0 against 6.4 GB/s for the register tiles on one core, cold weights). */
-static void matvec_rows(const float *x, const wt *W, int64_t ldw, float *y, int64_t k,
-                        int64_t c0, int64_t c1) {
-    const int64_t vec_end = c0 + (c1 - c0) / 8 * 8;
-    for (int64_t c = c0; c < c1; c++) y[c] = 0.0f;
-    int64_t i = 0;
-    for (; i + 4 <= k; i += 4) {
-        const float x0 = x[i], x1 = x[i + 1], x2 = x[i + 2], x3 = x[i + 3];
-        const wt *w0 = W + i * ldw, *w1 = w0 + ldw, *w2 = w1 + ldw, *w3 = w2 + ldw;
-        int64_t c = c0;
-        for (; c < vec_end; c += 8) {
-            v8 acc = *(v8 *)(y + c);
-            acc += x0 * load8(w0 + c);
-            acc += x1 * load8(w1 + c);
-            acc += x2 * load8(w2 + c);
-            acc += x3 * load8(w3 + c);
-            *(v8 *)(y + c) = acc;
+/* Y[t, :c1 - c0] = X[t, :k] @ W[:k, c0:c1] for t < T <= STREAM_MAX_T, reading W once, row after
+ * row in memory order: a row's columns are loaded into registers once and added into every
+ * token's output row (kept in L1), while the row STREAM_AHEAD bytes on is fetched (W small enough
+ * to stay cached, such as a head's absorbed projection, is not). A few tokens per product are bound
+ * by reading W, and one sequential stream reads it fastest. The sums run in row order, as the
+ * panels' (matmul_panels) do, so a row's result does not depend on T. */
+static void stream_rows_into(const float *X, int64_t ldx, const wt *W, int64_t ldw, float *Y,
+                             int64_t ldy, int64_t T, int64_t k, int64_t c0, int64_t c1) {
+    const int64_t row_bytes = ldw * (int64_t)sizeof(wt), line = 64;
+    const int64_t ahead =
+        k * row_bytes <= 4 * STREAM_AHEAD ? 0 : MIN(k, (STREAM_AHEAD + row_bytes - 1) / row_bytes);
+    const int64_t width = c1 - c0, w16 = width / 16 * 16;
+    const char *first = (const char *)(W + c0), *end = (const char *)(W + c1);
+    for (int64_t i = 0; i < ahead; i++) /* the first rows: their misses all start now */
+        for (const char *p = first + i * row_bytes; p < end + i * row_bytes; p += line)
+            __builtin_prefetch(p);
+    for (int64_t t = 0; t < T; t++) memset(Y + t * ldy, 0, sizeof(float) * width);
+    for (int64_t i = 0; i < k; i++) {
+        const wt *w = W + i * ldw + c0;
+        if (ahead && i + ahead < k)
+            for (const char *p = first + (i + ahead) * row_bytes; p < end + (i + ahead) * row_bytes;
+                 p += line)
+                __builtin_prefetch(p);
+        float xs[STREAM_MAX_T];
+        for (int64_t t = 0; t < T; t++) xs[t] = X[t * ldx + i];
+        int64_t c = 0;
+        for (; c < w16; c += 16) {
+            const v8 lo = load8(w + c), hi = load8(w + c + 8);
+            for (int64_t t = 0; t < T; t++) {
+                float *y = Y + t * ldy + c;
+                *(v8 *)y += xs[t] * lo;
+                *(v8 *)(y + 8) += xs[t] * hi;
+            }
         }
-        for (; c < c1; c++) { /* one product at a time, in row order, as the tiles sum */
-            y[c] += x0 * load1(w0 + c);
-            y[c] += x1 * load1(w1 + c);
-            y[c] += x2 * load1(w2 + c);
-            y[c] += x3 * load1(w3 + c);
-        }
+        for (; c < width; c++)
+            for (int64_t t = 0; t < T; t++) Y[t * ldy + c] += xs[t] * load1(w + c);
     }
-    for (; i < k; i++)
-        for (int64_t c = c0; c < c1; c++) y[c] += x[i] * load1(W + i * ldw + c);
+}
+
+/* stream_rows_into Y[t, c0:c1]. Two or more tokens sum into a private block whose rows are not a
+ * multiple of 4 KiB apart (outputs 512 floats wide are 2 KiB apart in Y, and a store to one row
+ * then falsely delays the load of the row two on), copied out at the end.
+ * Measured on `small` (2 threads, forward ms, medians of 16 alternating rounds, fp32), against the
+ * earlier kernels (one token streamed W four rows at a time; 2-6 tokens swept blocks of 16 rows
+ * with register tiles of 16-32 columns, reading W in 16 strided pieces per block; 7-8 tokens took
+ * the panels): 1 token 8.2 -> 7.3 (routed experts 3.7 -> 2.9), 4 tokens 18.0 -> 14.6, 32 decodes
+ * at context 320 77.1 -> 60.2 (experts 45.7 -> 29.2; bf16 35.1 -> 23.1 in another run). */
+static void stream_rows(const float *X, int64_t ldx, const wt *W, int64_t ldw, float *Y,
+                        int64_t ldy, int64_t T, int64_t k, int64_t c0, int64_t c1) {
+    if (T == 1) {
+        stream_rows_into(X, ldx, W, ldw, Y + c0, ldy, T, k, c0, c1);
+        return;
+    }
+    enum { ON_STACK = STREAM_MAX_T * 528 };
+    const int64_t width = c1 - c0, stride = (width + 15) / 16 * 16 + 16;
+    float on_stack[ON_STACK];
+    float *acc = T * stride <= ON_STACK ? on_stack : malloc(sizeof(float) * T * stride);
+    if (!acc) abort();
+    stream_rows_into(X, ldx, W, ldw, acc, stride, T, k, c0, c1);
+    for (int64_t t = 0; t < T; t++) memcpy(Y + t * ldy + c0, acc + t * stride, sizeof(float) * width);
+    if (acc != on_stack) free(acc);
 }
 
 enum { TOKEN_BLOCK = 96 }; /* tokens whose inputs stay in L2 while W's column panels pass */
 static tile_fn *const strip_tiles[7] = {0, tile_1_2, tile_2_2, tile_3_2, tile_4_2, tile_5_2, tile_6_2};
 
-/* matmul_cols for more than 6 tokens: a 6-token x 16-column tile sums all k rows in registers
+/* matmul_cols for more than STREAM_MAX_T tokens: a 6-token x 16-column tile sums all k rows in registers
  * (W's 16-column panel stays in L1/L2 over a block of tokens), so Y is written once. Measured
  * against 16-row blocks with the tiles reloaded from Y (2 threads, ms, fp32 | bf16 weights):
  * 512 x 1536 at 8 tokens 0.21 -> 0.15 | 0.19 -> 0.14, 32: 0.67 -> 0.44 | 0.65 -> 0.45,
@@ -203,40 +233,14 @@ static void matmul_panels(const float *X, int64_t ldx, const wt *W, int64_t ldw,
     }
 }
 
-/* Y[t, c0:c1] = X[t, :k] @ W[:k, c0:c1] for t < T (single-threaded). One token streams W's rows
- * (matvec_rows), more than 6 go by panels (matmul_panels). 2-6 tokens: W is swept in blocks of
- * ROW_BLOCK consecutive rows (contiguous memory, so the prefetchers stream it); within a block
- * every column tile runs from L1, all the tokens in one tile (6-3 tokens x 16 columns, 2-1 tokens
- * x 32 then 16). Ragged columns last. */
+/* Y[t, c0:c1] = X[t, :k] @ W[:k, c0:c1] for t < T (single-threaded): up to STREAM_MAX_T tokens
+ * stream W's rows (stream_rows), more go by panels (matmul_panels). */
 static void matmul_cols(const float *X, int64_t ldx, const wt *W, int64_t ldw, float *Y,
                         int64_t ldy, int64_t T, int64_t k, int64_t c0, int64_t c1) {
-    static tile_fn *const tiles[7] = {0, tile_1_4, tile_2_4, tile_3_2, tile_4_2, tile_5_2, tile_6_2};
-    if (T == 1) {
-        matvec_rows(X, W, ldw, Y, k, c0, c1);
-        return;
-    }
-    if (T > 6) {
+    if (T <= STREAM_MAX_T)
+        stream_rows(X, ldx, W, ldw, Y, ldy, T, k, c0, c1);
+    else
         matmul_panels(X, ldx, W, ldw, Y, ldy, T, k, c0, c1);
-        return;
-    }
-    const int64_t width = T > 2 ? 16 : 32;
-    for (int64_t i0 = 0; i0 < k; i0 += ROW_BLOCK) {
-        const int64_t rows = MIN(ROW_BLOCK, k - i0);
-        const int first = i0 == 0;
-        const wt *w = W + i0 * ldw;
-        const float *x = X + i0;
-        /* prefetch ahead: the first blocks at the start, then the block PREFETCH_BLOCKS ahead */
-        for (int64_t i = i0 ? i0 + PREFETCH_BLOCKS * ROW_BLOCK : 0;
-             i < MIN(k, i0 + (PREFETCH_BLOCKS + 1) * ROW_BLOCK); i++)
-            for (int64_t c = c0; c < c1; c += 16) __builtin_prefetch(W + i * ldw + c);
-        int64_t c = c0;
-        for (; c + width <= c1; c += width) tiles[T](x, ldx, w + c, ldw, Y + c, ldy, rows, first);
-        if (T <= 2 && c + 16 <= c1) {
-            strip_tiles[T](x, ldx, w + c, ldw, Y + c, ldy, rows, first);
-            c += 16;
-        }
-        matmul_edge(x, ldx, w, ldw, Y, ldy, T, rows, c, c1, first);
-    }
 }
 
 /* One product of a `matmuls` call: Y [T, n] = X @ W [k, n]. */
