@@ -216,11 +216,12 @@ static void stream_rows(const float *X, int64_t ldx, const wt *W, int64_t ldw, f
 enum { TOKEN_BLOCK = 96 }; /* tokens whose inputs stay in L2 while W's column panels pass */
 static tile_fn *const strip_tiles[7] = {0, tile_1_2, tile_2_2, tile_3_2, tile_4_2, tile_5_2, tile_6_2};
 
-/* matmul_cols for more than STREAM_MAX_T tokens: a 6-token x 16-column tile sums all k rows in registers
- * (W's 16-column panel stays in L1/L2 over a block of tokens), so Y is written once. Measured
- * against 16-row blocks with the tiles reloaded from Y (2 threads, ms, fp32 | bf16 weights):
- * 512 x 1536 at 8 tokens 0.21 -> 0.15 | 0.19 -> 0.14, 32: 0.67 -> 0.44 | 0.65 -> 0.45,
- * 512: 7.9 -> 6.2 | 10.6 -> 7.8; 1536 x 512 at 512 tokens 8.0 -> 8.4 | 11.3 -> 8.1. */
+/* matmul_cols for more than STREAM_MAX_T tokens: a 6-token x 16-column tile sums all k rows in
+ * registers (W's 16-column panel stays in L1/L2 over a block of tokens), so Y is written once.
+ * Measured against blocks of 16 rows with the tiles reloaded from Y (2 threads, ms, fp32 | bf16
+ * weights): 512 x 1536 at 32 tokens 0.67 -> 0.44 | 0.65 -> 0.45, 512: 7.9 -> 6.2 | 10.6 -> 7.8;
+ * 1536 x 512 at 512 tokens 8.0 -> 8.4 | 11.3 -> 8.1. Against stream_rows, on the experts of
+ * `small` (512 x 256 and 128 x 512, cold), the two tie at 12 tokens. */
 static void matmul_panels(const float *X, int64_t ldx, const wt *W, int64_t ldw, float *Y,
                           int64_t ldy, int64_t T, int64_t k, int64_t c0, int64_t c1) {
     const int64_t c16 = c0 + (c1 - c0) / 16 * 16;
