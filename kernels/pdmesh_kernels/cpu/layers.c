@@ -148,6 +148,11 @@ static void matmul_edge(const float *X, int64_t ldx, const wt *W, int64_t ldw, f
 
 typedef void tile_fn(const float *, int64_t, const wt *, int64_t, float *, int64_t, int64_t, int);
 
+/* Start loading x[:n] into the cache. */
+static inline void fetch(const kt *x, int64_t n) {
+    for (int64_t off = 0; off < n * (int64_t)sizeof(kt); off += 64) __builtin_prefetch((const char *)x + off);
+}
+
 enum { STREAM_AHEAD = 8192, STREAM_MAX_T = 8 }; /* bytes of W fetched ahead; tokens per sweep */
 
 /* Y[t, :c1 - c0] = X[t, :k] @ W[:k, c0:c1] for t < T <= STREAM_MAX_T, reading W once, row after
@@ -158,21 +163,15 @@ enum { STREAM_AHEAD = 8192, STREAM_MAX_T = 8 }; /* bytes of W fetched ahead; tok
  * panels' (matmul_panels) do, so a row's result does not depend on T. */
 static void stream_rows_into(const float *X, int64_t ldx, const wt *W, int64_t ldw, float *Y,
                              int64_t ldy, int64_t T, int64_t k, int64_t c0, int64_t c1) {
-    const int64_t row_bytes = ldw * (int64_t)sizeof(wt), line = 64;
+    const int64_t row_bytes = ldw * (int64_t)sizeof(wt);
     const int64_t ahead =
         k * row_bytes <= 4 * STREAM_AHEAD ? 0 : MIN(k, (STREAM_AHEAD + row_bytes - 1) / row_bytes);
     const int64_t width = c1 - c0, w16 = width / 16 * 16;
-    const char *first = (const char *)(W + c0), *end = (const char *)(W + c1);
-    for (int64_t i = 0; i < ahead; i++) /* the first rows: their misses all start now */
-        for (const char *p = first + i * row_bytes; p < end + i * row_bytes; p += line)
-            __builtin_prefetch(p);
+    for (int64_t i = 0; i < ahead; i++) fetch(W + i * ldw + c0, width); /* misses start now */
     for (int64_t t = 0; t < T; t++) memset(Y + t * ldy, 0, sizeof(float) * width);
     for (int64_t i = 0; i < k; i++) {
         const wt *w = W + i * ldw + c0;
-        if (ahead && i + ahead < k)
-            for (const char *p = first + (i + ahead) * row_bytes; p < end + (i + ahead) * row_bytes;
-                 p += line)
-                __builtin_prefetch(p);
+        if (ahead && i + ahead < k) fetch(w + ahead * ldw, width);
         float xs[STREAM_MAX_T];
         for (int64_t t = 0; t < T; t++) xs[t] = X[t * ldx + i];
         int64_t c = 0;
@@ -376,11 +375,6 @@ static inline void axpy(float *y, float a, const kt *x, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) *(v8 *)(y + i) += a * load8(x + i);
     for (; i < n; i++) y[i] += a * load1(x + i);
-}
-
-/* Start loading x[:n] into the cache. */
-static inline void fetch(const kt *x, int64_t n) {
-    for (int64_t off = 0; off < n * (int64_t)sizeof(kt); off += 64) __builtin_prefetch((const char *)x + off);
 }
 
 /* out[j * ld + r] = q_j . row_r for queries q_j = q + j * n (j < nh) and cache rows
