@@ -101,43 +101,36 @@ static inline v8 load8(const float *p) { return *(const v8 *)p; }
 static inline float load1(const float *p) { return *p; }
 #endif
 
-/* Register tiles: NT tokens x NV vectors of 8 columns of accumulators over rows [0, k) of W,
- * each row's NV vectors loaded once for all NT tokens; added to Y, or stored where `first`. */
-#define TILE(NT, NV)                                                                             \
-    static inline void tile_##NT##_##NV(const float *X, int64_t ldx, const wt *W,               \
-                                        int64_t ldw, float *Y, int64_t ldy, int64_t k,          \
-                                        int first) {                                             \
-        v8 acc[NT][NV];                                                                          \
-        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                                     \
-            _Pragma("GCC unroll 8") for (int j = 0; j < NV; j++)                                 \
-                acc[t][j] = first ? (v8){0} : *(v8 *)(Y + t * ldy + 8 * j);                      \
+/* Register tiles: Y[t, :16] = X[t, :k] @ P for NT tokens, P [k, 16] a packed fp32 panel of W
+ * (matmul_panels): each row of P is loaded once for all NT tokens, the NT x 16 sums stay in
+ * registers over all k rows and Y is written once. */
+#define TILE(NT)                                                                                 \
+    static inline void tile_##NT(const float *X, int64_t ldx, const float *P, float *Y,          \
+                                 int64_t ldy, int64_t k) {                                       \
+        v8 acc[NT][2] = {{{0}}};                                                                 \
         for (int64_t i = 0; i < k; i++) {                                                        \
-            const wt *w = W + i * ldw;                                                           \
-            v8 wv[NV];                                                                           \
-            _Pragma("GCC unroll 8") for (int j = 0; j < NV; j++) wv[j] = load8(w + 8 * j);       \
+            const v8 lo = *(const v8 *)(P + 16 * i), hi = *(const v8 *)(P + 16 * i + 8);         \
             _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                               \
                 const float xv = X[t * ldx + i];                                                 \
-                _Pragma("GCC unroll 8") for (int j = 0; j < NV; j++) acc[t][j] += xv * wv[j];    \
+                acc[t][0] += xv * lo, acc[t][1] += xv * hi;                                      \
             }                                                                                    \
         }                                                                                        \
         _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                                     \
-            _Pragma("GCC unroll 8") for (int j = 0; j < NV; j++)                                 \
-                *(v8 *)(Y + t * ldy + 8 * j) = acc[t][j];                                        \
+            *(v8 *)(Y + t * ldy) = acc[t][0], *(v8 *)(Y + t * ldy + 8) = acc[t][1];              \
     }
-TILE(6, 2)
-TILE(5, 2)
-TILE(4, 2)
-TILE(3, 2)
-TILE(2, 2)
-TILE(1, 2)
+TILE(6)
+TILE(5)
+TILE(4)
+TILE(3)
+TILE(2)
+TILE(1)
 
 /* Columns [c0, c1) of rows [0, T) without a register tile (the ragged edge). */
 static void matmul_edge(const float *X, int64_t ldx, const wt *W, int64_t ldw, float *Y,
-                        int64_t ldy, int64_t T, int64_t k, int64_t c0, int64_t c1, int first) {
+                        int64_t ldy, int64_t T, int64_t k, int64_t c0, int64_t c1) {
     for (int64_t t = 0; t < T; t++) {
         float *y = Y + t * ldy;
-        if (first)
-            for (int64_t c = c0; c < c1; c++) y[c] = 0.0f;
+        for (int64_t c = c0; c < c1; c++) y[c] = 0.0f;
         for (int64_t i = 0; i < k; i++) {
             const float xv = X[t * ldx + i];
             const wt *w = W + i * ldw;
@@ -146,7 +139,7 @@ static void matmul_edge(const float *X, int64_t ldx, const wt *W, int64_t ldw, f
     }
 }
 
-typedef void tile_fn(const float *, int64_t, const wt *, int64_t, float *, int64_t, int64_t, int);
+typedef void tile_fn(const float *, int64_t, const float *, float *, int64_t, int64_t);
 
 /* Start loading x[:n] into the cache. */
 static inline void fetch(const kt *x, int64_t n) {
@@ -214,24 +207,40 @@ static void stream_rows(const float *X, int64_t ldx, const wt *W, int64_t ldw, f
 }
 
 enum { TOKEN_BLOCK = 96 }; /* tokens whose inputs stay in L2 while W's column panels pass */
-static tile_fn *const strip_tiles[7] = {0, tile_1_2, tile_2_2, tile_3_2, tile_4_2, tile_5_2, tile_6_2};
+static tile_fn *const strip_tiles[7] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
 
-/* matmul_cols for more than STREAM_MAX_T tokens: a 6-token x 16-column tile sums all k rows in
- * registers (W's 16-column panel stays in L1/L2 over a block of tokens), so Y is written once.
- * Measured against blocks of 16 rows with the tiles reloaded from Y (2 threads, ms, fp32 | bf16
- * weights): 512 x 1536 at 32 tokens 0.67 -> 0.44 | 0.65 -> 0.45, 512: 7.9 -> 6.2 | 10.6 -> 7.8;
- * 1536 x 512 at 512 tokens 8.0 -> 8.4 | 11.3 -> 8.1. Against stream_rows, on the experts of
- * `small` (512 x 256 and 128 x 512, cold), the two tie at 12 tokens. */
+/* matmul_cols for more than STREAM_MAX_T tokens: W's 16-column panels one after another, each
+ * packed into a contiguous fp32 block (the next panel's rows fetched meanwhile), then swept by
+ * 6-token x 16-column register tiles (tile_NT) over a block of tokens, so Y is written once.
+ * Packing is what makes the sweeps fast: a panel read in place has rows ldw apart, which for wide
+ * W fall into a few cache sets (the lm head's 32 KiB apart: every tile went back to memory), and
+ * bf16 was widened again by every tile. Measured against the unpacked panels (2 threads, GFLOP/s,
+ * medians of 9, cold W, fp32 | bf16): 32 tokens 512 x 8192 (the lm head) 34 -> 56 | 52 -> 79,
+ * 512 x 1536 57 -> 86 | 84 -> 100, 1536 x 512 47 -> 92 | 67 -> 86; 512 tokens 512 x 1536 95 ->
+ * 122 | 97 -> 120. Against stream_rows, on the experts of `small` (512 x 256 and 128 x 512, cold),
+ * the unpacked panels tied at 12 tokens. */
 static void matmul_panels(const float *X, int64_t ldx, const wt *W, int64_t ldw, float *Y,
                           int64_t ldy, int64_t T, int64_t k, int64_t c0, int64_t c1) {
     const int64_t c16 = c0 + (c1 - c0) / 16 * 16;
+    enum { PANEL_ON_STACK = 16 * 1024 };
+    float on_stack[PANEL_ON_STACK];
+    float *panel = k * 16 <= PANEL_ON_STACK ? on_stack : malloc(sizeof(float) * k * 16);
+    if (!panel) abort();
     for (int64_t t0 = 0; t0 < T; t0 += TOKEN_BLOCK) {
         const int64_t t1 = MIN(T, t0 + TOKEN_BLOCK);
-        for (int64_t c = c0; c < c16; c += 16)
+        for (int64_t c = c0; c < c16; c += 16) {
+            const wt *w = W + c;
+            for (int64_t i = 0; i < k; i++, w += ldw) { /* pack, fetching the next panel's row */
+                if (c + 16 < c16) __builtin_prefetch(w + 16);
+                *(v8 *)(panel + 16 * i) = load8(w);
+                *(v8 *)(panel + 16 * i + 8) = load8(w + 8);
+            }
             for (int64_t t = t0; t < t1; t += 6)
-                strip_tiles[MIN(6, t1 - t)](X + t * ldx, ldx, W + c, ldw, Y + t * ldy + c, ldy, k, 1);
-        matmul_edge(X + t0 * ldx, ldx, W, ldw, Y + t0 * ldy, ldy, t1 - t0, k, c16, c1, 1);
+                strip_tiles[MIN(6, t1 - t)](X + t * ldx, ldx, panel, Y + t * ldy + c, ldy, k);
+        }
+        matmul_edge(X + t0 * ldx, ldx, W, ldw, Y + t0 * ldy, ldy, t1 - t0, k, c16, c1);
     }
+    if (panel != on_stack) free(panel);
 }
 
 /* Y[t, c0:c1] = X[t, :k] @ W[:k, c0:c1] for t < T (single-threaded): up to STREAM_MAX_T tokens
