@@ -117,34 +117,49 @@ def test_c_path_matches_the_torch_path(reference_models: dict, name: str, kind: 
     _assert_agree(_both_paths(model, batch, caches, moe[0].placement.num_physical if moe else None))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.inference_mode()
-def test_two_threads_give_the_one_thread_result() -> None:
-    # wide enough that every parallel region of the kernel runs threaded (PAR_MIN_MACS)
+def test_two_threads_give_the_one_thread_result(dtype: torch.dtype) -> None:
+    # wide enough that every parallel region of the kernel runs threaded (PAR_MIN_MACS); the
+    # 1,100-token prefill also threads the loops over rows (norms, routing, the experts' sums,
+    # bf16's fp32 router: PAR_MIN_ROW_WORK)
     wide = dict(
         hidden_size=128,
         intermediate_size=256,
         moe_intermediate_size=64,
         max_position_embeddings=256,
     )
-    model = _random_model(num_attention_heads=4, kv_lora_rank=64, q_lora_rank=64, **wide)
+    model = _random_model(
+        dtype=dtype, num_attention_heads=4, kv_lora_rank=64, q_lora_rank=64, **wide
+    )
     config = model.config
-    caches = torch.zeros(config.num_hidden_layers, 160, BLOCK, config.kv_cache_dim)
+    caches = torch.zeros(config.num_hidden_layers, 480, BLOCK, config.kv_cache_dim, dtype=dtype)
     lens = [97, 3, 130, 8, 72, 45]
     _, blocks = _prefill(model, caches, lens, seed=4)
-    batch = ForwardBatch.build(
-        [[1], [2], [3, 4, 5], [6], [7, 8], [9]], lens, blocks, BLOCK, [True] * 6, "cpu"
+    decodes = ForwardBatch.build(
+        [[1], [2, 3, 4], [5], [6, 7], [8], [9]], lens, blocks, BLOCK, [True] * 6, "cpu"
     )
+    gen = torch.Generator().manual_seed(5)
+    prompts = [
+        torch.randint(0, config.vocab_size, (220,), generator=gen).tolist() for _ in range(5)
+    ]
+    used = {block for table in blocks for block in table}
+    fresh = [block for block in range(1, 480) if block not in used]
+    prompt_blocks = [fresh[i * 56 : (i + 1) * 56] for i in range(5)]
+    prefill = ForwardBatch.build(prompts, [0] * 5, prompt_blocks, BLOCK, [True] * 5, "cpu")
+    assert prefill.num_tokens * config.hidden_size >= 1 << 17
     threads = torch.get_num_threads()
     outputs = []
     try:
         for count in (1, 2):
             torch.set_num_threads(count)
             kv = caches.clone()
-            outputs.append((model(batch, kv), kv))
+            outputs.append((model(decodes, kv), model(prefill, kv), kv))
     finally:
         torch.set_num_threads(threads)
-    # threads split columns and (token, head) pairs, never a sum: the results are bit-identical
-    assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+    # threads split columns, (token, head) pairs and rows, never a sum: bit-identical results
+    for one, two in zip(*outputs, strict=True):
+        assert torch.equal(one, two)
 
 
 def _random_model(

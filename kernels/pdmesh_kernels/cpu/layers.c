@@ -59,7 +59,13 @@ typedef struct {
     int64_t replicas_width;
 } pd_layer;
 
-enum { PAR_MIN_MACS = 1 << 14 };
+enum { PAR_MIN_MACS = 1 << 14, PAR_MIN_ROW_WORK = 1 << 17 };
+
+/* Threads for a loop over T independent rows of `row_work` elements each (norms, routing, sums):
+ * all nt for a prefill's thousands of rows, 1 for a decode batch's few, not worth waking them. */
+static inline int row_threads(int64_t T, int64_t row_work, int nt) {
+    return T > 1 && T * row_work >= PAR_MIN_ROW_WORK ? nt : 1;
+}
 
 #define MIN(a, b) ((a) < (b) ? (a) : (b))
 #ifdef __AVX__
@@ -472,8 +478,10 @@ static inline void store_row(kt *dst, const float *src, int64_t n) {
 }
 
 #ifdef PD_BF16
-/* Y [T, n] = X [T, k] @ W [k, n] for fp32 weights in a bf16 build (the routers), serial. */
-static void matmul_f32(const float *X, const float *W, float *Y, int64_t T, int64_t k, int64_t n) {
+/* Y [T, n] = X [T, k] @ W [k, n] for fp32 weights in a bf16 build (the routers), a row each. */
+static void matmul_f32(const float *X, const float *W, float *Y, int64_t T, int64_t k, int64_t n,
+                       int nt) {
+#pragma omp parallel for num_threads(row_threads(T, k * n / 8, nt))
     for (int64_t t = 0; t < T; t++) {
         float *y = Y + t * n;
         for (int64_t c = 0; c < n; c++) y[c] = 0.0f;
@@ -510,6 +518,7 @@ static void attention(const pd_dims *d, const pd_layer *l, const pd_batch *b, kt
     float *o = qcat + T * H * E;  /* [T, H, V] */
     float *qa = o + T * H * V;    /* [T, QL] */
 
+#pragma omp parallel for num_threads(row_threads(T, D, nt))
     for (int64_t t = 0; t < T; t++) rms_norm(x + t * D, l->input_norm, h + t * D, D, d->rms_eps);
     const mm_job first[2] = {QL ? (mm_job){l->q_a, qa, QL} : (mm_job){l->q_proj, q, QW},
                              {l->kv_a, kva, E}}; /* both read h: one parallel region */
@@ -517,9 +526,11 @@ static void attention(const pd_dims *d, const pd_layer *l, const pd_batch *b, kt
     add_bias(kva, l->kv_a_bias, T, E);
     if (QL) {
         add_bias(qa, l->q_a_bias, T, QL);
+#pragma omp parallel for num_threads(row_threads(T, QL, nt))
         for (int64_t t = 0; t < T; t++) rms_norm(qa + t * QL, l->q_a_norm, qa + t * QL, QL, d->latent_eps);
         matmul(qa, l->q_b, q, T, QL, QW, nt);
     }
+#pragma omp parallel for num_threads(row_threads(T, E, nt))
     for (int64_t t = 0; t < T; t++) { /* the tokens' cache entries: [norm(latent), rope(k_pe)] */
         float *entry = kva + t * E; /* built in place, then stored */
         rms_norm(entry, l->kv_a_norm, entry, L, d->latent_eps);
@@ -615,6 +626,7 @@ static void swiglu(const float *x, const wt *gate, const wt *up, const wt *down,
     float *g = act, *u = act + T * I;
     const mm_job gate_up[2] = {{gate, g, I}, {up, u, I}};
     matmuls(x, T, D, gate_up, 2, nt);
+#pragma omp parallel for num_threads(row_threads(T, I, nt))
     for (int64_t i = 0; i < T * I; i++) g[i] = silu(g[i]) * u[i];
     matmul(g, down, out, T, I, D, nt);
 }
@@ -674,16 +686,17 @@ static void moe(const pd_dims *d, const pd_layer *l, const float *h, float *x, i
     float *weights = logits + T * E;  /* [T, K] */
     float *pair_out = weights + TK;   /* [T * K, D]: each (token, expert) pair's output */
     float *shared = pair_out + TK * D; /* [T, D] */
-    float *route_work = shared + T * D; /* [3E + 64] */
     int64_t *slots = malloc(sizeof(int64_t) * (3 * TK + P + 1));
     int64_t *experts = slots + TK, *order = experts + TK, *start = order + TK;
 
 #ifdef PD_BF16
-    matmul_f32(h, l->router, logits, T, D, E); /* the router stays fp32 */
+    matmul_f32(h, l->router, logits, T, D, E, nt); /* the router stays fp32 */
 #else
     matmul(h, l->router, logits, T, D, E, nt);
 #endif
+#pragma omp parallel for num_threads(row_threads(T, 4 * E, nt))
     for (int64_t t = 0; t < T; t++) {
+        float route_work[3 * E];
         route(d, l, logits + t * E, weights + t * K, experts + t * K, route_work);
         for (int64_t k = 0; k < K; k++) {
             const int64_t e = experts[t * K + k];
@@ -730,6 +743,7 @@ static void moe(const pd_dims *d, const pd_layer *l, const float *h, float *x, i
         }
         free(rows);
     }
+#pragma omp parallel for num_threads(row_threads(T, K * D, nt))
     for (int64_t t = 0; t < T; t++)
         for (int64_t j = 0; j < D; j++) {
             float acc = 0.0f;
@@ -760,8 +774,9 @@ int pd_forward_layers(const pd_dims *d, const pd_layer *layers, int64_t num_laye
         widest = layers[i].moe_width > widest ? layers[i].moe_width : widest;
     }
     const int64_t attn_floats = T * (QW + E + H * E + H * d->v_dim + d->q_lora_rank);
-    const int64_t moe_floats = T * X + T * K + T * K * D + T * D + 3 * X + 64 + T * 2 * widest;
+    const int64_t moe_floats = T * X + T * K + T * K * D + T * D + T * 2 * widest;
     const int64_t mlp_floats = T * D + T * 2 * widest;
+    const int nt = (int)d->num_threads;
     int64_t most = attn_floats > moe_floats ? attn_floats : moe_floats;
     most = mlp_floats > most ? mlp_floats : most;
     float *h = malloc(sizeof(float) * (T * D + most));
@@ -770,17 +785,21 @@ int pd_forward_layers(const pd_dims *d, const pd_layer *layers, int64_t num_laye
     for (int64_t i = 0; i < num_layers; i++) {
         const pd_layer *l = layers + i;
         attention(d, l, &b, kv_base + i * kv_layer_stride, x, T, h, work);
+#pragma omp parallel for num_threads(row_threads(T, D, nt))
         for (int64_t t = 0; t < T; t++) rms_norm(x + t * D, l->post_norm, h + t * D, D, d->rms_eps);
         if (l->moe_index >= 0) {
             moe(d, l, h, x, T, load_counts, work);
         } else {
             float *out = work, *act = work + T * D;
             swiglu(h, l->gate, l->up, l->down, out, T, D, l->mlp_width, act, (int)d->num_threads);
+#pragma omp parallel for num_threads(row_threads(T, D, nt))
             for (int64_t j = 0; j < T * D; j++) x[j] += out[j];
         }
     }
-    if (final_norm)
+    if (final_norm) {
+#pragma omp parallel for num_threads(row_threads(T, D, nt))
         for (int64_t t = 0; t < T; t++) rms_norm(x + t * D, final_norm, x + t * D, D, d->rms_eps);
+    }
     free(h);
     return 0;
 }
