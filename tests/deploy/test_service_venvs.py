@@ -19,6 +19,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,11 +76,10 @@ def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in hidden}
 
 
-def _install(service: str, root: Path) -> ServiceVenv:
+def _install(service: str, root: Path, folders: list[str]) -> ServiceVenv:
     """Copy the closure folders (as the Dockerfile's COPY does: no build output in the repository)
     and pip-install them into a fresh venv; skip on a network failure, fail on any other."""
     src = root / "src"
-    folders = closure_folders(service)
     for folder in folders:
         shutil.copytree(
             ROOT / folder,
@@ -111,8 +111,13 @@ def _install(service: str, root: Path) -> ServiceVenv:
 
 @pytest.fixture(scope="module")
 def venvs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ServiceVenv]:
+    """The three installs at once (each its own venv and copy; pip mostly waits on the index and
+    on unpacking, so they overlap well); a skip or failure of one is raised here."""
     root = tmp_path_factory.mktemp("service-venvs")
-    return {service: _install(service, root) for service in LIGHT_SERVICES}  # in sequence
+    folders = {service: closure_folders(service) for service in LIGHT_SERVICES}
+    with ThreadPoolExecutor(len(LIGHT_SERVICES)) as pool:
+        futures = {s: pool.submit(_install, s, root / s, folders[s]) for s in LIGHT_SERVICES}
+        return {service: future.result() for service, future in futures.items()}
 
 
 @pytest.fixture(scope="module")
