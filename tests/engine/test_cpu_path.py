@@ -122,7 +122,8 @@ def test_c_path_matches_the_torch_path(reference_models: dict, name: str, kind: 
 def test_two_threads_give_the_one_thread_result(dtype: torch.dtype) -> None:
     # wide enough that every parallel region of the kernel runs threaded (PAR_MIN_MACS); the
     # 1,100-token prefill also threads the loops over rows (norms, routing, the experts' sums,
-    # bf16's fp32 router: PAR_MIN_ROW_WORK)
+    # bf16's fp32 router: PAR_MIN_ROW_WORK); the one decode hands products out whole and splits
+    # its 4 heads 2 + 2 between the threads (a score must not depend on its tile's other heads)
     wide = dict(
         hidden_size=128,
         intermediate_size=256,
@@ -136,6 +137,7 @@ def test_two_threads_give_the_one_thread_result(dtype: torch.dtype) -> None:
     caches = torch.zeros(config.num_hidden_layers, 480, BLOCK, config.kv_cache_dim, dtype=dtype)
     lens = [97, 3, 130, 8, 72, 45]
     _, blocks = _prefill(model, caches, lens, seed=4)
+    one = ForwardBatch.build([[1]], lens[:1], blocks[:1], BLOCK, [True], "cpu")
     decodes = ForwardBatch.build(
         [[1], [2, 3, 4], [5], [6, 7], [8], [9]], lens, blocks, BLOCK, [True] * 6, "cpu"
     )
@@ -154,7 +156,7 @@ def test_two_threads_give_the_one_thread_result(dtype: torch.dtype) -> None:
         for count in (1, 2):
             torch.set_num_threads(count)
             kv = caches.clone()
-            outputs.append((model(decodes, kv), model(prefill, kv), kv))
+            outputs.append((model(one, kv), model(decodes, kv), model(prefill, kv), kv))
     finally:
         torch.set_num_threads(threads)
     # threads split columns, (token, head) pairs and rows, never a sum: bit-identical results
