@@ -549,8 +549,9 @@ static void attention(const pd_dims *d, const pd_layer *l, const pd_batch *b, kt
      * rope query for all tokens; the scores and sums, a work item being a token's heads [h0, h1)
      * (with fewer tokens than threads the heads are split); each head's values (latent @
      * w_uv[h]) for all tokens. The per-head products thus see every token at once (measured on
-     * `small`, 32 decodes at context 320, fp32: one token at a time they took more time than the
-     * scores). Threads only when the scores and sums are worth waking them for. */
+     * `small`, 32 decodes at context 320, against one token at a time inside the work items: this
+     * region 18.0 -> 17.0 ms fp32, 10.4 -> 9.2 bf16). Threads only when the scores and sums are
+     * worth waking them for. */
     int64_t macs = 0;
     for (int64_t t = 0; t < T; t++) macs += (b->positions[t] + 1) * H * (E + L);
     const int64_t groups = T >= nt ? 1 : MIN(H, nt), per = (H + groups - 1) / groups;
