@@ -23,6 +23,7 @@ own (`Proposer.expert_load`, the same window as the target's).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from pdmesh_engine.checkpoint import DTYPES, iter_tensors
 from pdmesh_engine.config import EngineConfig, ModelConfig
 from pdmesh_engine.cpu_dtype import auto_cpu_dtype
 from pdmesh_engine.cuda_graphs import DecodeGraphs, capture_cuda, capture_eager
+from pdmesh_engine import huge_pages
 from pdmesh_engine.forward_batch import ForwardBatch
 from pdmesh_engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 from pdmesh_engine.model.moe import ExpertLoadRecorder, MoE
@@ -70,8 +72,11 @@ def allocate_kv_memory(
     dtype: torch.dtype,
     device: torch.device,
 ) -> torch.Tensor:
-    """The KV pool's memory: [num_layers, num_blocks, block_size, entry_dim], zeroed, contiguous."""
-    return torch.zeros((num_layers, num_blocks, block_size, entry_dim), dtype=dtype, device=device)
+    """The KV pool's memory: [num_layers, num_blocks, block_size, entry_dim], zeroed, contiguous
+    (on CPU in huge pages where Linux gives them: decode reads blocks all over the pool)."""
+    memory = torch.empty((num_layers, num_blocks, block_size, entry_dim), dtype=dtype, device=device)
+    huge_pages.advise(memory, collapse=False)  # before the first touch: no copy
+    return memory.zero_()
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,7 @@ def load_model(
     model.load_weights(iter_tensors(model_dir))
     if device.type == "cpu" and not uses_triton(device):  # else the CUDA path (`force_triton`)
         model.use_cpu_layouts()
+        huge_pages.advise_all(itertools.chain(model.parameters(), model.buffers()))
     model.eval()
     return model
 
