@@ -420,19 +420,21 @@ static inline void score_tile(const float *const q[4], const kt *r0, const kt *r
  * where fewer are left: every score comes from the same instructions in the same tile code, so a
  * score does not depend on how many heads a batch gave a work item (separate code for the
  * leftovers, written to the same order, was compiled to other roundings). The rows come from
- * memory (each sequence's own cache), so `next` (the block after, or NULL) is fetched ahead
- * while these are scored, a row of it per row scored. */
+ * memory (each sequence's own cache): a pair of rows is scored against all queries at once while
+ * the same pair of `next` (the block after, or NULL) is fetched. Measured on 384 contexts of 320
+ * rows in random blocks, 2 threads, 8 queries: 43-51 us a context -> 32-36 (the queries' groups
+ * outside the rows, with the fetches in the first group only, read a block and then computed
+ * half of it; a plain read of the same blocks takes 27). */
 static void score_rows(const float *q, int64_t nh, int64_t n, const kt *rows, int64_t ns,
                        float *out, int64_t ld, const kt *next) {
-    if (next && nh < 4) fetch(next, ns * n);
-    for (int64_t j = 0; j < nh; j += 4) {
-        const int64_t nq = MIN(4, nh - j);
-        const float *qs[4];
-        for (int m = 0; m < 4; m++) qs[m] = q + (j + MIN(m, nq - 1)) * n;
-        for (int64_t r = 0; r < ns; r += 2) {
-            const int pair = r + 1 < ns;
-            if (next && j == 0) fetch(next + r * n, (1 + pair) * n);
-            const kt *r0 = rows + r * n;
+    for (int64_t r = 0; r < ns; r += 2) {
+        const int pair = r + 1 < ns;
+        if (next) fetch(next + r * n, (1 + pair) * n);
+        const kt *r0 = rows + r * n;
+        for (int64_t j = 0; j < nh; j += 4) {
+            const int64_t nq = MIN(4, nh - j);
+            const float *qs[4];
+            for (int m = 0; m < 4; m++) qs[m] = q + (j + MIN(m, nq - 1)) * n;
             float s[8];
             score_tile(qs, r0, pair ? r0 + n : r0, n, s);
             for (int64_t m = 0; m < nq; m++) {
