@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 
+from pdmesh_engine import huge_pages
 from pdmesh_engine.checkpoint import DTYPES, iter_tensors
 from pdmesh_engine.config import EngineConfig, ModelConfig
 from pdmesh_engine.cpu_dtype import auto_cpu_dtype
 from pdmesh_engine.cuda_graphs import DecodeGraphs, capture_cuda, capture_eager
-from pdmesh_engine import huge_pages
 from pdmesh_engine.forward_batch import ForwardBatch
 from pdmesh_engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 from pdmesh_engine.model.moe import ExpertLoadRecorder, MoE
@@ -74,7 +74,9 @@ def allocate_kv_memory(
 ) -> torch.Tensor:
     """The KV pool's memory: [num_layers, num_blocks, block_size, entry_dim], zeroed, contiguous
     (on CPU in huge pages where Linux gives them: decode reads blocks all over the pool)."""
-    memory = torch.empty((num_layers, num_blocks, block_size, entry_dim), dtype=dtype, device=device)
+    memory = torch.empty(
+        (num_layers, num_blocks, block_size, entry_dim), dtype=dtype, device=device
+    )
     huge_pages.advise(memory, collapse=False)  # before the first touch: no copy
     return memory.zero_()
 
