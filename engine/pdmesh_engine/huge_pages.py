@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -26,7 +26,8 @@ MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25
 
 
-def _madvise() -> ctypes._CFuncPtr | None:
+def _madvise() -> Callable[[int, int, int], int] | None:
+    """libc's madvise(addr, length, advice), or None where there is none."""
     if not sys.platform.startswith("linux"):
         return None
     try:
