@@ -224,10 +224,10 @@ static tile_fn *const strip_tiles[7] = {0, tile_1, tile_2, tile_3, tile_4, tile_
 /* matmul_cols for more than STREAM_MAX_T tokens: W's 16-column panels one after another, each
  * packed into a contiguous fp32 block, then swept by 6-token x 16-column register tiles (tile_NT)
  * over a block of tokens, so Y is written once. The tiles fetch the next panel's rows, a line
- * every few rows of their sums: fetched in a burst while packing (as before), the misses stalled
- * the packing and the memory time added to the compute (32 tokens, 2 threads, cold W, us, fp32 |
- * bf16: 512 x 352 153 -> 120 | 141 -> 119, 512 x 1536 653 -> 529 | 556 -> 507, 1536 x 512 657 ->
- * 572 | 576 -> 502; the lm head and 512-token products unchanged within noise).
+ * every few rows of their sums: fetched in a burst while packing, as they were, the misses
+ * stalled the packing and the memory time added to the compute (32 tokens, 2 threads, cold W,
+ * us, fp32 | bf16: 512 x 352 153 -> 120 | 141 -> 119, 512 x 1536 653 -> 529 | 556 -> 507,
+ * 1536 x 512 657 -> 572 | 576 -> 502; the lm head and 512-token products unchanged within noise).
  * Packing is what makes the sweeps fast: a panel read in place has rows ldw apart, which for wide
  * W fall into a few cache sets (the lm head's 32 KiB apart: every tile went back to memory), and
  * bf16 was widened again by every tile. Measured against the unpacked panels (2 threads, GFLOP/s,
@@ -245,7 +245,8 @@ static void matmul_panels(const float *X, int64_t ldx, const wt *W, int64_t ldw,
     const int64_t group = ldw * (int64_t)sizeof(wt) >= 16384 ? 4 : 1;
     enum { PANEL_ON_STACK = 16 * 1024 };
     float on_stack[PANEL_ON_STACK];
-    float *panel = k * 16 * group <= PANEL_ON_STACK ? on_stack : malloc(sizeof(float) * k * 16 * group);
+    const int64_t panel_floats = k * 16 * group;
+    float *panel = panel_floats <= PANEL_ON_STACK ? on_stack : malloc(sizeof(float) * panel_floats);
     if (!panel) abort();
     for (int64_t t0 = 0; t0 < T; t0 += TOKEN_BLOCK) {
         const int64_t t1 = MIN(T, t0 + TOKEN_BLOCK);
