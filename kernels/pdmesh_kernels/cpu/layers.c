@@ -299,26 +299,17 @@ typedef struct {
  * equal shares of every job. With a few tokens and at least a job per thread, the jobs go whole
  * instead: a thread streams whole rows of W, where parts read pieces of every row (one decode
  * of `small`, forward ms, fp32 | bf16: 7.64 -> 7.16 | 4.98 -> 4.66; 4 decodes, fp32: 18.5 ->
- * 17.0; the q_a/kv_a pair and the dense gate/up pair, of near or equal size). Serial when the
- * work is too small to pay for the threads. */
+ * 17.0; the q_a/kv_a pair and the dense gate/up pair, of near or equal size). One thread, the
+ * jobs whole, when the work is too small to pay for more. */
 static void matmuls(const float *X, int64_t T, int64_t k, const mm_job *jobs, int njobs, int nt) {
     int64_t macs = 0;
     for (int j = 0; j < njobs; j++) macs += T * k * jobs[j].n;
-    if (nt <= 1 || macs < PAR_MIN_MACS) {
-        for (int j = 0; j < njobs; j++)
-            matmul_cols(X, k, jobs[j].W, jobs[j].n, jobs[j].Y, jobs[j].n, T, k, 0, jobs[j].n);
-        return;
-    }
-    if (T <= STREAM_MAX_T && njobs >= nt) {
-#pragma omp parallel for num_threads(nt) schedule(dynamic)
-        for (int j = 0; j < njobs; j++)
-            matmul_cols(X, k, jobs[j].W, jobs[j].n, jobs[j].Y, jobs[j].n, T, k, 0, jobs[j].n);
-        return;
-    }
-#pragma omp parallel for num_threads(nt) schedule(static, 1)
-    for (int64_t item = 0; item < (int64_t)njobs * nt; item++) {
-        const mm_job *job = jobs + item / nt;
-        const int64_t part = item % nt, chunk = ((job->n + nt - 1) / nt + 15) / 16 * 16;
+    const int threads = nt > 1 && macs >= PAR_MIN_MACS ? nt : 1;
+    const int parts = T <= STREAM_MAX_T && njobs >= threads ? 1 : threads; /* per job */
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int64_t item = 0; item < (int64_t)njobs * parts; item++) {
+        const mm_job *job = jobs + item / parts;
+        const int64_t part = item % parts, chunk = ((job->n + parts - 1) / parts + 15) / 16 * 16;
         const int64_t c0 = MIN(job->n, part * chunk), c1 = MIN(job->n, c0 + chunk);
         if (c0 < c1) matmul_cols(X, k, job->W, job->n, job->Y, job->n, T, k, c0, c1);
     }
