@@ -62,7 +62,7 @@ class Layer(ctypes.Structure):
     _fields_ = [
         ("input_norm", _f32), ("post_norm", _f32), ("q_a", _w), ("q_a_norm", _f32), ("q_b", _w),
         ("q_proj", _w), ("kv_a", _w), ("kv_a_norm", _f32), ("w_uk", _w), ("w_uv", _w),
-        ("o_proj", _w), ("q_a_bias", _f32), ("kv_a_bias", _f32), ("o_bias", _f32),
+        ("kv_b", _w), ("o_proj", _w), ("q_a_bias", _f32), ("kv_a_bias", _f32), ("o_bias", _f32),
         ("mlp_width", ctypes.c_int64),
         ("gate", _w), ("up", _w), ("down", _w),
         *((name, ctypes.c_int64) for name in ("moe_index", "moe_width", "num_slots")),

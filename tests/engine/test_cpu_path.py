@@ -341,13 +341,16 @@ def test_a_row_computes_the_same_alone_and_beside_other_rows() -> None:
     lens = [11, 5, 17]
     _, blocks = _prefill(model, caches, lens, seed=7, room=40)
     alone = ForwardBatch.build([[3]], lens[:1], blocks[:1], BLOCK, [True], "cpu")
+    last_alone = ForwardBatch.build([[4]], lens[2:], blocks[2:], BLOCK, [True], "cpu")
     crowd = ForwardBatch.build(
         [[3], list(range(2, 39)), [4]], lens, blocks, BLOCK, [True] * 3, "cpu"
-    )  # a decode, a 37-token chunk (many-token products), another decode
+    )  # a decode, a 37-token chunk (many-token products, the expanded attention), a decode
     kv_alone, kv_crowd = caches.clone(), caches.clone()
     hidden_alone, hidden_crowd = model(alone, kv_alone), model(crowd, kv_crowd)
     assert torch.equal(hidden_alone[0], hidden_crowd[0])
     assert torch.equal(kv_alone[:, blocks[0]], kv_crowd[:, blocks[0]])
+    # the decode after the chunk, too (the absorbed tokens are not a prefix of the batch)
+    assert torch.equal(model(last_alone, caches.clone())[0], hidden_crowd[38])
     logits = model.compute_logits(hidden_crowd[[0, 1, 37, 38]])
     assert torch.equal(model.compute_logits(hidden_alone), logits[:1])
 

@@ -11,9 +11,12 @@ measured (2 threads): `small` prefilling 2 x 256 tokens, 326 ms in fp32 against 
 torch path; in bf16 on a CPU without bf16 instructions torch's GEMMs are ~30x slower than its fp32
 ones (one 256-token chunk 7.2 s) while the C path prefills 128 tokens in 0.10 s.
 
-Every token attends, in the absorbed form, to its own sequence's cached latents up to its
-position; the batch's latents are written to the cache first, so a chunk's tokens see each other
-causally.
+Every token attends to its own sequence's cached latents up to its position; the batch's latents
+are written to the cache first, so a chunk's tokens see each other causally. Decodes and
+speculative verify rows attend in the absorbed form; a run of 16 or more new tokens of one
+sequence (a prefill chunk) expands its context's latents into keys and values first, a third of
+the products per query and cached row. The choice follows the run's own length, never its
+neighbours.
 
 The layer tables (`pdmesh_kernels.cpu_layers.Layer`) point at the model's own parameters, stored
 for this path at load time (`DeepseekV3ForCausalLM.use_cpu_layouts`): linear weights as [in, out],
@@ -225,6 +228,7 @@ class CpuLayerPath:
             raise ValueError("MLA weights not processed (process_weights)")
         table.w_uk = w(_contiguous(attn.w_uk, "w_uk"))
         table.w_uv = w(_contiguous(attn.w_uv_t, "w_uv_t"))
+        table.kv_b = w(_contiguous(_t(attn.kv_b_proj), "kv_b_proj"))
         table.o_proj = w(_contiguous(_t(attn.o_proj), "o_proj"))
         table.kv_a_bias = norm(attn.kv_a_proj_with_mqa.bias)
         table.o_bias = norm(attn.o_proj.bias)

@@ -1,8 +1,9 @@
 /* DeepSeek-V3 decoder layers for a few tokens on CPU, in one call: no Python between ops.
  *
- * Each layer: rms_norm -> MLA attention (absorbed form over the paged latent cache, the tokens'
- * own latents written first) -> residual -> rms_norm -> dense SwiGLU MLP, or sigmoid
- * group-limited routing over the routed experts plus the shared experts -> residual.
+ * Each layer: rms_norm -> MLA attention over the paged latent cache (the tokens' own latents
+ * written first; the absorbed form, prefill chunks expanded) -> residual -> rms_norm -> dense
+ * SwiGLU MLP, or sigmoid group-limited routing over the routed experts plus the shared experts ->
+ * residual.
  * The arithmetic is the engine's torch path (fp32 throughout, the same formulas); only the order
  * of the sums differs, so results agree to fp32 rounding.
  *
@@ -14,6 +15,7 @@
  * Layouts (prepared once at load time by the engine):
  *   linear weights   [in, out] row-major (nn.Linear's weight transposed): y[c] += x[i] * W[i, c]
  *   w_uk [H, N, L], w_uv [H, L, V]   (kv_b_proj split per head, as the torch path's bmm uses)
+ *   kv_b [L, H (N + V)]               (kv_b_proj whole, [in, out]: the prefill's expansion)
  *   w13 [P, D, 2I], w2 [P, I, D]      (the experts' row tables: gate|up, then down)
  *   kv cache [num_blocks, block_size, L + R]; rope tables [max_pos, R] as (cos, cos), (-sin, sin)
  *
@@ -47,7 +49,7 @@ typedef struct {
     const wt *q_b, *q_proj; /* q_proj when q_lora_rank == 0 */
     const wt *kv_a;
     const float *kv_a_norm;
-    const wt *w_uk, *w_uv, *o_proj;
+    const wt *w_uk, *w_uv, *kv_b, *o_proj; /* kv_b NULL: every token in the absorbed form */
     const float *q_a_bias, *kv_a_bias, *o_bias; /* attention biases (NULL: none) */
     int64_t mlp_width; /* dense MLP width, or the shared experts' (0: none) */
     const wt *gate, *up, *down;
@@ -406,6 +408,13 @@ static inline v8 hsums(const v8 a[8]) {
 #endif
 }
 
+/* Keep v in a register: a vector used by several FMAs is loaded once, where the compiler would
+ * fold a load into each of them (twice the loads, and the loops here are bound by loads). With
+ * the max of softmax_numerators in 8 lanes: 32 decodes of `small` at context 320, the scores and
+ * sums with the cache hot, fp32 9.6-10.6 -> 7.8-8.6 ms, bf16 8.0-8.3 -> 7.4-7.8 (cold, fp32
+ * 11.1-11.8 -> 10.2-10.4, bf16 unchanged at 8.7-8.8: bound by reading the cache). */
+#define in_register(v) __asm__("" : "+x"(v))
+
 /* y[:n] += a * x[:n] */
 static inline void axpy(float *y, float a, const kt *x, int64_t n) {
     int64_t i = 0;
@@ -420,9 +429,12 @@ static inline void score_tile(const float *const q[4], const kt *r0, const kt *r
     const int64_t nv = n / 8 * 8;
     v8 a[8] = {{0}}; /* a[2m + i]: query m, row i */
     for (int64_t i = 0; i < nv; i += 8) {
-        const v8 k0 = load8(r0 + i), k1 = load8(r1 + i);
+        v8 k0 = load8(r0 + i), k1 = load8(r1 + i);
+        in_register(k0);
+        in_register(k1);
         _Pragma("GCC unroll 4") for (int m = 0; m < 4; m++) {
-            const v8 qv = *(const v8 *)(q[m] + i);
+            v8 qv = *(const v8 *)(q[m] + i);
+            in_register(qv);
             a[2 * m] += qv * k0, a[2 * m + 1] += qv * k1;
         }
     }
@@ -479,7 +491,9 @@ static void weigh_rows(const float *p, int64_t nh, int64_t ld, const kt *rows, i
                a3 = *(v8 *)(y3 + c), b3 = *(v8 *)(y3 + c + 8);
             for (int64_t r = 0; r < ns; r++) {
                 const kt *row = rows + r * stride + c;
-                const v8 lo = load8(row), hi = load8(row + 8);
+                v8 lo = load8(row), hi = load8(row + 8);
+                in_register(lo);
+                in_register(hi);
                 a0 += p0[r] * lo, b0 += p0[r] * hi, a1 += p1[r] * lo, b1 += p1[r] * hi;
                 a2 += p2[r] * lo, b2 += p2[r] * hi, a3 += p3[r] * lo, b3 += p3[r] * hi;
             }
@@ -533,6 +547,35 @@ static void matmul_f32(const float *X, const float *W, float *Y, int64_t T, int6
 }
 #endif
 
+/* s[:n] = exp(scale s - max) in place (a row's softmax numerators); returns their sum. The max 8
+ * lanes at a time (exact in any order), the sum in 8 lanes, then across them (hsum). */
+static float softmax_numerators(float *s, int64_t n, float scale) {
+    v8 top = (v8){0} - INFINITY;
+    float best = -INFINITY;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const v8 v = *(v8 *)(s + i) * scale;
+        const vi8 above = v > top;
+        *(v8 *)(s + i) = v;
+        top = (v8)((above & (vi8)v) | (~above & (vi8)top));
+    }
+    for (int k = 0; k < 8; k++) best = top[k] > best ? top[k] : best;
+    for (; i < n; i++) {
+        s[i] *= scale;
+        best = s[i] > best ? s[i] : best;
+    }
+    v8 sum = {0}, tail = {0};
+    for (i = 0; i + 8 <= n; i += 8) {
+        const v8 e = exp_nonpositive(*(v8 *)(s + i) - best);
+        *(v8 *)(s + i) = e;
+        sum += e;
+    }
+    for (int64_t k = 0; i + k < n; k++) tail[k] = s[i + k] - best;
+    tail = exp_nonpositive(tail);
+    for (int64_t k = 0; i + k < n; k++) sum[k] += s[i + k] = tail[k];
+    return hsum(sum);
+}
+
 /* ---------------------------------------------------------------- attention ---------------- */
 typedef struct {
     const int64_t *positions, *slot_mapping, *token_seq;
@@ -540,6 +583,83 @@ typedef struct {
     int64_t block_table_stride;
     const float *rope_cos, *rope_sin; /* [max_pos, R] */
 } pd_batch;
+
+enum { EXPAND_MIN_RUN = 16, QUERY_BLOCK = 8 };
+
+/* Attention of tokens [t0, t1), a run of one sequence's new tokens (a prefill chunk), in the
+ * expanded form: the context's cached latents are expanded by kv_b once into each head's keys
+ * [k_nope, k_pe] and values, which the queries [q_nope, rope(q_pe)] then attend to directly. A
+ * query and a cached row cost H (N + R + V) products where the absorbed form costs H (2 L + R)
+ * (`small`: 768 against 2,304), and each row H L (N + V) once. A query sees the rows up to its
+ * position (the causal mask: the probabilities past it are exact zeros), so its result does not
+ * depend on the other queries of its block. Out: o [t, H, V] for t in [t0, t1). Measured on
+ * `small`, a prefill of 8 x 256 tokens (fp32, 2 threads, medians of 5 alternating forwards):
+ * 1,228 -> 1,109 ms, the attention (latent queries, scores and sums, values) 357 -> 165 ms. */
+static void attend_expanded(const pd_dims *d, const pd_layer *l, const pd_batch *b,
+                            const kt *kv_cache, const float *q, int64_t t0, int64_t t1, float *o) {
+    const int64_t H = d->num_heads, N = d->nope_dim, R = d->rope_dim, L = d->kv_lora_rank,
+                  V = d->v_dim, E = L + R, BS = d->block_size, K = N + R, QW = H * K,
+                  KW = H * (N + V), Q = t1 - t0, S = b->positions[t1 - 1] + 1;
+    const int nt = (int)d->num_threads;
+    const int32_t *table = b->block_tables + b->token_seq[t0] * b->block_table_stride;
+    float *lat = malloc(sizeof(float) * (S * L + S * KW + H * Q * K));
+    kt *keys = malloc(sizeof(kt) * H * S * (K + V)); /* [H, S, K] then the values [H, S, V] */
+    if (!lat || !keys) abort();
+    float *kvx = lat + S * L, *qs = kvx + S * KW; /* [S, H (N + V)], [H, Q, K] */
+    kt *vals = keys + H * S * K;
+#pragma omp parallel for num_threads(row_threads(S, L, nt))
+    for (int64_t s = 0; s < S; s++) { /* the cached latents, widened */
+        const kt *row = kv_cache + ((int64_t)table[s / BS] * BS + s % BS) * E;
+        for (int64_t i = 0; i < L; i++) lat[s * L + i] = load1(row + i);
+    }
+    matmul(lat, l->kv_b, kvx, S, L, KW, nt);
+#pragma omp parallel num_threads(nt)
+    {
+#pragma omp for schedule(static)
+        for (int64_t hd = 0; hd < H; hd++) { /* each head's keys, values and queries, rows apart */
+            for (int64_t s = 0; s < S; s++) {
+                const float *kv = kvx + s * KW + hd * (N + V);
+                kt *key = keys + (hd * S + s) * K;
+                store_row(key, kv, N);
+                memcpy(key + N, kv_cache + ((int64_t)table[s / BS] * BS + s % BS) * E + L,
+                       R * sizeof(kt));
+                store_row(vals + (hd * S + s) * V, kv + N, V);
+            }
+            for (int64_t j = 0; j < Q; j++) {
+                float *qq = qs + (hd * Q + j) * K;
+                const int64_t pos = b->positions[t0 + j];
+                memcpy(qq, q + (t0 + j) * QW + hd * K, K * sizeof(float));
+                rope(qq + N, b->rope_cos + pos * R, b->rope_sin + pos * R, R,
+                     (int)d->rope_interleave);
+            }
+        }
+        const int64_t blocks = (Q + QUERY_BLOCK - 1) / QUERY_BLOCK;
+        float *scores = malloc(sizeof(float) * QUERY_BLOCK * S);
+        float *acc = malloc(sizeof(float) * QUERY_BLOCK * V);
+        if (!scores || !acc) abort();
+#pragma omp for schedule(dynamic)
+        for (int64_t item = 0; item < H * blocks; item++) { /* the last (longest) blocks first */
+            const int64_t hd = item % H, j0 = (blocks - 1 - item / H) * QUERY_BLOCK;
+            const int64_t nq = MIN(QUERY_BLOCK, Q - j0), ns = b->positions[t0 + j0 + nq - 1] + 1;
+            float total[QUERY_BLOCK];
+            score_rows(qs + (hd * Q + j0) * K, nq, K, keys + hd * S * K, ns, scores, ns, NULL);
+            for (int64_t j = 0; j < nq; j++) {
+                const int64_t seen = b->positions[t0 + j0 + j] + 1;
+                total[j] = softmax_numerators(scores + j * ns, seen, d->attn_scale);
+                memset(scores + j * ns + seen, 0, sizeof(float) * (ns - seen));
+            }
+            memset(acc, 0, sizeof(float) * nq * V);
+            weigh_rows(scores, nq, ns, vals + hd * S * V, V, ns, acc, V);
+            for (int64_t j = 0; j < nq; j++)
+                for (int64_t i = 0; i < V; i++)
+                    o[((t0 + j0 + j) * H + hd) * V + i] = acc[j * V + i] / total[j];
+        }
+        free(scores);
+        free(acc);
+    }
+    free(lat);
+    free(keys);
+}
 
 /* x [T, D] -> attention output added to x (the residual). */
 static void attention(const pd_dims *d, const pd_layer *l, const pd_batch *b, kt *kv_cache,
@@ -575,82 +695,90 @@ static void attention(const pd_dims *d, const pd_layer *l, const pd_batch *b, kt
         rope(entry + L, b->rope_cos + pos * R, b->rope_sin + pos * R, R, (int)d->rope_interleave);
         store_row(kv_cache + b->slot_mapping[t] * E, entry, E);
     }
+    /* A run of EXPAND_MIN_RUN or more new tokens of one sequence (a prefill chunk) attends in the
+     * expanded form (attend_expanded), the others (decodes, speculative verify rows: at most 9 a
+     * sequence) in the absorbed form: by the run's own length, so that a row computes the same
+     * beside any other rows. ab[:A]: the absorbed tokens in order. */
+    int64_t *ab = malloc(sizeof(int64_t) * T), A = 0;
+    if (!ab) abort();
+    for (int64_t t0 = 0, t1 = 0; t0 < T; t0 = t1) {
+        while (t1 < T && b->token_seq[t1] == b->token_seq[t0]) t1++;
+        if (!l->kv_b || t1 - t0 < EXPAND_MIN_RUN)
+            for (int64_t t = t0; t < t1; t++) ab[A++] = t;
+    }
+    const int packed = A < T; /* some tokens expanded: row i of qcat and o is token ab[i] */
     /* Three passes in one parallel region: each head's latent query (q_nope @ w_uk[h]) and rotated
-     * rope query for all tokens; the scores and sums, a work item being a token's heads [h0, h1)
-     * (with fewer tokens than threads the heads are split); each head's values (latent @
-     * w_uv[h]) for all tokens. The per-head products thus see every token at once (measured on
-     * `small`, 32 decodes at context 320, against one token at a time inside the work items: this
-     * region 18.0 -> 17.0 ms fp32, 10.4 -> 9.2 bf16). Threads only when the scores and sums are
-     * worth waking them for. */
+     * rope query for all the absorbed tokens; the scores and sums, a work item being a token's
+     * heads [h0, h1) (with fewer tokens than threads the heads are split); each head's values
+     * (latent @ w_uv[h]) for all of them. The per-head products thus see every token at once
+     * (measured on `small`, 32 decodes at context 320, against one token at a time inside the work
+     * items: this region 18.0 -> 17.0 ms fp32, 10.4 -> 9.2 bf16). Threads only when the scores and
+     * sums are worth waking them for. */
     int64_t macs = 0;
-    for (int64_t t = 0; t < T; t++) macs += (b->positions[t] + 1) * H * (E + L);
-    const int64_t groups = T >= nt ? 1 : MIN(H, nt), per = (H + groups - 1) / groups;
-#pragma omp parallel num_threads(T * groups > 1 && macs >= PAR_MIN_MACS ? nt : 1)
-    {
+    for (int64_t i = 0; i < A; i++) macs += (b->positions[ab[i]] + 1) * H * (E + L);
+    const int64_t groups = A >= nt ? 1 : MIN(H, nt), per = (H + groups - 1) / groups;
+#pragma omp parallel if (A > 0) num_threads(A * groups > 1 && macs >= PAR_MIN_MACS ? nt : 1)
+    if (A > 0) {
+        float *qn = packed ? malloc(sizeof(float) * A * N) : NULL; /* a head's q_nope rows */
 #pragma omp for schedule(static)
         for (int64_t hd = 0; hd < H; hd++) {
-            matmul_cols(q + hd * (N + R), QW, l->w_uk + hd * N * L, L, qcat + hd * E, H * E, T, N,
-                        0, L);
-            for (int64_t t = 0; t < T; t++) {
-                float *qr = qcat + (t * H + hd) * E + L;
-                const int64_t pos = b->positions[t];
-                memcpy(qr, q + t * QW + hd * (N + R) + N, R * sizeof(float));
+            const float *qh = q + hd * (N + R);
+            int64_t ldq = QW;
+            if (qn) {
+                for (int64_t i = 0; i < A; i++)
+                    memcpy(qn + i * N, qh + ab[i] * QW, N * sizeof(float));
+                qh = qn, ldq = N;
+            }
+            matmul_cols(qh, ldq, l->w_uk + hd * N * L, L, qcat + hd * E, H * E, A, N, 0, L);
+            for (int64_t i = 0; i < A; i++) {
+                float *qr = qcat + (i * H + hd) * E + L;
+                const int64_t pos = b->positions[ab[i]];
+                memcpy(qr, q + ab[i] * QW + hd * (N + R) + N, R * sizeof(float));
                 rope(qr, b->rope_cos + pos * R, b->rope_sin + pos * R, R, (int)d->rope_interleave);
             }
         }
+        free(qn);
         int64_t cap = 0;
         float *scores = NULL, *acc = malloc(sizeof(float) * per * L);
 #pragma omp for schedule(dynamic)
-        for (int64_t item = 0; item < T * groups; item++) {
-            const int64_t t = item / groups, h0 = (item % groups) * per, h1 = MIN(H, h0 + per);
+        for (int64_t item = 0; item < A * groups; item++) {
+            const int64_t i = item / groups, t = ab[i], h0 = (item % groups) * per,
+                          h1 = MIN(H, h0 + per);
             const int64_t ctx = b->positions[t] + 1, nh = h1 - h0;
-            float *qc = qcat + (t * H + h0) * E;
+            float *qc = qcat + (i * H + h0) * E;
             if (nh * ctx > cap) {
                 free(scores);
                 cap = MIN(nh * ctx * 2, nh * ctx + (1 << 20));
                 scores = malloc(sizeof(float) * cap);
             }
             const int32_t *table = b->block_tables + b->token_seq[t] * b->block_table_stride;
-            float best[256], total[256]; /* per head: running max, then the softmax sum */
-            for (int64_t j = 0; j < nh; j++) best[j] = -INFINITY, total[j] = 0.0f;
+            float total[256]; /* per head: the softmax sum */
             for (int64_t s0 = 0; s0 < ctx; s0 += BS) /* scores, block by block */
                 score_rows(qc, nh, E, kv_cache + (int64_t)table[s0 / BS] * BS * E,
                            MIN(BS, ctx - s0), scores + s0, ctx,
                            s0 + BS < ctx ? kv_cache + (int64_t)table[s0 / BS + 1] * BS * E : NULL);
-            for (int64_t j = 0; j < nh; j++) {
-                float *sj = scores + j * ctx;
-                for (int64_t s = 0; s < ctx; s++) {
-                    sj[s] *= d->attn_scale;
-                    best[j] = sj[s] > best[j] ? sj[s] : best[j];
-                }
-            }
-            for (int64_t j = 0; j < nh; j++) {
-                float *sj = scores + j * ctx;
-                v8 sum = {0}, tail = {0};
-                int64_t s = 0;
-                for (; s + 8 <= ctx; s += 8) {
-                    const v8 e = exp_nonpositive(*(v8 *)(sj + s) - best[j]);
-                    *(v8 *)(sj + s) = e;
-                    sum += e;
-                }
-                for (int64_t i = 0; s + i < ctx; i++) tail[i] = sj[s + i] - best[j];
-                tail = exp_nonpositive(tail);
-                for (int64_t i = 0; s + i < ctx; i++) sum[i] += sj[s + i] = tail[i];
-                total[j] = hsum(sum);
-            }
+            for (int64_t j = 0; j < nh; j++)
+                total[j] = softmax_numerators(scores + j * ctx, ctx, d->attn_scale);
             memset(acc, 0, sizeof(float) * nh * L);
             for (int64_t s0 = 0; s0 < ctx; s0 += BS) /* probabilities @ latents */
                 weigh_rows(scores + s0, nh, ctx, kv_cache + (int64_t)table[s0 / BS] * BS * E, E,
                            MIN(BS, ctx - s0), acc, L);
             for (int64_t j = 0; j < nh; j++) /* normalise: sum_s p_s c_s / sum_s p_s, over qc */
-                for (int64_t i = 0; i < L; i++) qc[j * E + i] = acc[j * L + i] / total[j];
+                for (int64_t c = 0; c < L; c++) qc[j * E + c] = acc[j * L + c] / total[j];
         }
         free(scores);
         free(acc);
 #pragma omp for schedule(static)
         for (int64_t hd = 0; hd < H; hd++) /* values: latent [L] @ w_uv[h] [L, V] */
-            matmul_cols(qcat + hd * E, H * E, l->w_uv + hd * L * V, V, o + hd * V, H * V, T, L, 0,
+            matmul_cols(qcat + hd * E, H * E, l->w_uv + hd * L * V, V, o + hd * V, H * V, A, L, 0,
                         V);
+    }
+    for (int64_t i = A - 1; packed && i >= 0; i--) /* to the tokens' rows (ab[i] >= i) */
+        memmove(o + ab[i] * H * V, o + i * H * V, H * V * sizeof(float));
+    free(ab);
+    for (int64_t t0 = 0, t1 = 0; t0 < T; t0 = t1) {
+        while (t1 < T && b->token_seq[t1] == b->token_seq[t0]) t1++;
+        if (l->kv_b && t1 - t0 >= EXPAND_MIN_RUN) attend_expanded(d, l, b, kv_cache, q, t0, t1, o);
     }
     matmul(o, l->o_proj, h, T, H * V, D, nt);
     add_bias(h, l->o_bias, T, D);
@@ -671,16 +799,17 @@ static void swiglu(const float *x, const wt *gate, const wt *up, const wt *down,
 
 static inline float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
 
-/* Top `k` of v[n] (largest first, lower index on ties) into idx. */
+/* Top `k` of v[n] (largest first, lower index on ties) into idx: one pass, each value placed in
+ * the sorted list of the best so far (after its equals). */
 static void top_indices(const float *v, int64_t n, int64_t k, int64_t *idx) {
-    for (int64_t j = 0; j < k; j++) {
-        int64_t best = -1;
-        for (int64_t i = 0; i < n; i++) {
-            int taken = 0;
-            for (int64_t m = 0; m < j; m++) taken |= idx[m] == i;
-            if (!taken && (best < 0 || v[i] > v[best])) best = i;
-        }
-        idx[j] = best;
+    int64_t have = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t p = have;
+        while (p > 0 && v[i] > v[idx[p - 1]]) p--;
+        if (p >= k) continue;
+        if (have < k) have++;
+        for (int64_t m = have - 1; m > p; m--) idx[m] = idx[m - 1];
+        idx[p] = i;
     }
 }
 
