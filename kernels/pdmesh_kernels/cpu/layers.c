@@ -586,6 +586,22 @@ typedef struct {
 
 enum { EXPAND_MIN_RUN = 16, QUERY_BLOCK = 8 };
 
+/* Row s of a sequence's cache (blocks `table`, BS rows of E elements each). */
+static inline const kt *cache_row(const kt *kv_cache, const int32_t *table, int64_t BS, int64_t E,
+                                  int64_t s) {
+    return kv_cache + ((int64_t)table[s / BS] * BS + s % BS) * E;
+}
+
+/* The end of the run of tokens from t0 in t0's sequence (a batch keeps a sequence together). */
+static inline int64_t run_end(const pd_batch *b, int64_t T, int64_t t0) {
+    int64_t t1 = t0 + 1;
+    while (t1 < T && b->token_seq[t1] == b->token_seq[t0]) t1++;
+    return t1;
+}
+
+/* Whether a run of n new tokens attends in the expanded form (attend_expanded). */
+static inline int expanded(const pd_layer *l, int64_t n) { return l->kv_b && n >= EXPAND_MIN_RUN; }
+
 /* Attention of tokens [t0, t1), a run of one sequence's new tokens (a prefill chunk), in the
  * expanded form: the context's cached latents are expanded by kv_b once into each head's keys
  * [k_nope, k_pe] and values, which the queries [q_nope, rope(q_pe)] then attend to directly. A
@@ -609,7 +625,7 @@ static void attend_expanded(const pd_dims *d, const pd_layer *l, const pd_batch 
     kt *vals = keys + H * S * K;
 #pragma omp parallel for num_threads(row_threads(S, L, nt))
     for (int64_t s = 0; s < S; s++) { /* the cached latents, widened */
-        const kt *row = kv_cache + ((int64_t)table[s / BS] * BS + s % BS) * E;
+        const kt *row = cache_row(kv_cache, table, BS, E, s);
         for (int64_t i = 0; i < L; i++) lat[s * L + i] = load1(row + i);
     }
     matmul(lat, l->kv_b, kvx, S, L, KW, nt);
@@ -621,8 +637,7 @@ static void attend_expanded(const pd_dims *d, const pd_layer *l, const pd_batch 
                 const float *kv = kvx + s * KW + hd * (N + V);
                 kt *key = keys + (hd * S + s) * K;
                 store_row(key, kv, N);
-                memcpy(key + N, kv_cache + ((int64_t)table[s / BS] * BS + s % BS) * E + L,
-                       R * sizeof(kt));
+                memcpy(key + N, cache_row(kv_cache, table, BS, E, s) + L, R * sizeof(kt));
                 store_row(vals + (hd * S + s) * V, kv + N, V);
             }
             for (int64_t j = 0; j < Q; j++) {
@@ -701,9 +716,9 @@ static void attention(const pd_dims *d, const pd_layer *l, const pd_batch *b, kt
      * beside any other rows. ab[:A]: the absorbed tokens in order. */
     int64_t *ab = malloc(sizeof(int64_t) * T), A = 0;
     if (!ab) abort();
-    for (int64_t t0 = 0, t1 = 0; t0 < T; t0 = t1) {
-        while (t1 < T && b->token_seq[t1] == b->token_seq[t0]) t1++;
-        if (!l->kv_b || t1 - t0 < EXPAND_MIN_RUN)
+    for (int64_t t0 = 0, t1; t0 < T; t0 = t1) {
+        t1 = run_end(b, T, t0);
+        if (!expanded(l, t1 - t0))
             for (int64_t t = t0; t < t1; t++) ab[A++] = t;
     }
     const int packed = A < T; /* some tokens expanded: row i of qcat and o is token ab[i] */
@@ -717,7 +732,7 @@ static void attention(const pd_dims *d, const pd_layer *l, const pd_batch *b, kt
     int64_t macs = 0;
     for (int64_t i = 0; i < A; i++) macs += (b->positions[ab[i]] + 1) * H * (E + L);
     const int64_t groups = A >= nt ? 1 : MIN(H, nt), per = (H + groups - 1) / groups;
-#pragma omp parallel if (A > 0) num_threads(A * groups > 1 && macs >= PAR_MIN_MACS ? nt : 1)
+#pragma omp parallel num_threads(A * groups > 1 && macs >= PAR_MIN_MACS ? nt : 1)
     if (A > 0) {
         float *qn = packed ? malloc(sizeof(float) * A * N) : NULL; /* a head's q_nope rows */
 #pragma omp for schedule(static)
@@ -776,9 +791,9 @@ static void attention(const pd_dims *d, const pd_layer *l, const pd_batch *b, kt
     for (int64_t i = A - 1; packed && i >= 0; i--) /* to the tokens' rows (ab[i] >= i) */
         memmove(o + ab[i] * H * V, o + i * H * V, H * V * sizeof(float));
     free(ab);
-    for (int64_t t0 = 0, t1 = 0; t0 < T; t0 = t1) {
-        while (t1 < T && b->token_seq[t1] == b->token_seq[t0]) t1++;
-        if (l->kv_b && t1 - t0 >= EXPAND_MIN_RUN) attend_expanded(d, l, b, kv_cache, q, t0, t1, o);
+    for (int64_t t0 = 0, t1; t0 < T; t0 = t1) {
+        t1 = run_end(b, T, t0);
+        if (expanded(l, t1 - t0)) attend_expanded(d, l, b, kv_cache, q, t0, t1, o);
     }
     matmul(o, l->o_proj, h, T, H * V, D, nt);
     add_bias(h, l->o_bias, T, D);
