@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 from pdmesh_service.errors import MeshError
 from pdmesh_service.instance import InstanceInfo, Load, Role
 from pdmesh_service.logging import get_logger
+from pdmesh_service.tasks import pause
 
 __all__ = [
     "InstanceInfo",
@@ -98,7 +99,7 @@ async def heartbeat_forever(
             log.warning("re-publishing after a lost registry entry failed", error=str(e))
             with contextlib.suppress(aioredis.RedisError, OSError):
                 await registry.remove((await _reported(report)).instance_id)
-        await asyncio.sleep(interval_s)
+        await pause(interval_s)
 
 
 async def stay_registered(

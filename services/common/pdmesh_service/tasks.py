@@ -1,5 +1,5 @@
 """Background tasks that nobody awaits but that must not be garbage-collected or lost at
-shutdown."""
+shutdown, and loops that stop when cancelled."""
 
 from __future__ import annotations
 
@@ -28,3 +28,14 @@ class Background:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def pause(delay_s: float) -> None:
+    """Sleep before a loop's next turn; CancelledError first when the task was cancelled meanwhile.
+    redis-py can swallow a cancellation that lands while it drops a connection (the command then
+    fails, or even returns), so a loop that outlives Redis errors would run on after its cancel and
+    whoever awaits its end would wait forever; `task.cancelling()` still tells."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+    await asyncio.sleep(delay_s)

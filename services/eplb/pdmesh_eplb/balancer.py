@@ -22,6 +22,7 @@ from pdmesh_eplb.metrics import EplbMetrics
 from pdmesh_service import eplb_protocol as proto
 from pdmesh_service.eplb_protocol import EplbSummary, Placement, RebalanceReason, RebalanceRecord
 from pdmesh_service.logging import get_logger
+from pdmesh_service.tasks import pause
 
 log = get_logger(__name__)
 
@@ -113,7 +114,7 @@ class Balancer:
                 await self.status()  # refreshes the gauges
             except (aioredis.RedisError, OSError, ValueError, TypeError, KeyError) as e:
                 log.warning("eplb poll failed", error=repr(e))
-            await asyncio.sleep(poll_s)
+            await pause(poll_s)
 
     async def status(self) -> list[EplbSummary]:
         """Every tracked (instance, model), sorted; refreshes the balancedness and version

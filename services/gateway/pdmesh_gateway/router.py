@@ -22,6 +22,7 @@ from pdmesh_gateway.routing import DecodeBalance
 from pdmesh_service.errors import Unavailable
 from pdmesh_service.instance import InstanceInfo, Role
 from pdmesh_service.logging import get_logger
+from pdmesh_service.tasks import pause
 
 log = get_logger(__name__)
 
@@ -144,7 +145,7 @@ async def refresh_forever(
             if router.refresh_error is None:
                 log.warning("registry refresh failed", error=f"{type(e).__name__}: {e}")
             router.refresh_error = f"{type(e).__name__}: {e}"
-        await asyncio.sleep(interval_s)
+        await pause(interval_s)
 
 
 def health(router: Router, needs_prefill: bool) -> tuple[str, dict[str, object]]:

@@ -26,6 +26,7 @@ from pdmesh_service.grpc_server import MeshAuth, start_grpc_server
 from pdmesh_service.logging import get_logger
 from pdmesh_service.options import CommonConfig, add_common_arguments, common_from_args
 from pdmesh_service.registry import InstanceInfo, Registry, connect, stay_registered
+from pdmesh_service.tasks import pause
 
 log = get_logger(__name__)
 ROLE = "kvstore"
@@ -111,7 +112,7 @@ async def sweep_index(index: PrefixIndex, registry: Registry) -> set[str]:
 
 async def _sweep_forever(index: PrefixIndex, registry: Registry, interval_s: float) -> None:
     while True:
-        await asyncio.sleep(interval_s)
+        await pause(interval_s)
         try:
             gone = await sweep_index(index, registry)
         except (RedisError, OSError) as e:  # Redis restarting: the next sweep tries again

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import math
 import os
 import signal
@@ -99,6 +100,11 @@ class ServiceHost:
 
         try:
             asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(60)
+        except TimeoutError:  # show where the shutdown hangs: every thread's stack, every task's
+            faulthandler.dump_traceback(all_threads=True)
+            for task in asyncio.all_tasks(self.loop):
+                task.print_stack(file=sys.stderr)
+            raise
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)

@@ -23,7 +23,6 @@ reported through the LoadReport only (the heartbeat's `Load` has no field for th
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -34,6 +33,7 @@ from pdmesh_engine.engine_core import TARGET, EngineCore
 from pdmesh_service.eplb_protocol import LoadReport, Placement, publish_load, read_placement
 from pdmesh_service.errors import Unavailable
 from pdmesh_service.logging import get_logger
+from pdmesh_service.tasks import pause
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
@@ -190,4 +190,4 @@ async def run_eplb_agent(loop: EngineLoop, redis: aioredis.Redis, config: EPLBAg
             log.warning(
                 "eplb: placement rejected", instance=config.instance, rank=config.rank, error=str(e)
             )
-        await asyncio.sleep(config.report_s)
+        await pause(config.report_s)

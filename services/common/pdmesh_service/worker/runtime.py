@@ -43,6 +43,7 @@ from pdmesh_service.logging import get_logger
 from pdmesh_service.options import CommonConfig, ServiceStopped
 from pdmesh_service.redis_server import free_port
 from pdmesh_service.registry import InstanceInfo, Registry, connect, stay_registered
+from pdmesh_service.tasks import pause
 from pdmesh_service.worker.convert import heartbeat_stats
 from pdmesh_service.worker.dep_instance import DEPOptions, master_addr
 from pdmesh_service.worker.engine_loop import EngineLoop, EngineRole
@@ -133,7 +134,7 @@ async def discover_kvstore(registry: Registry, timeout_s: float = KVSTORE_DISCOV
             raise TimeoutError(
                 f"no kvstore instance registered within {timeout_s:g}s (pass --kvstore)"
             )
-        await asyncio.sleep(0.5)
+        await pause(0.5)
 
 
 async def run_worker(
