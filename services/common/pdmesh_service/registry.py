@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 from pdmesh_service.errors import MeshError
 from pdmesh_service.instance import InstanceInfo, Load, Role
 from pdmesh_service.logging import get_logger
-from pdmesh_service.tasks import pause
+from pdmesh_service.tasks import pause, stop_with
 
 __all__ = [
     "InstanceInfo",
@@ -118,15 +118,10 @@ async def stay_registered(
         await registry.publish(info, ttl_s)
     except (aioredis.RedisError, OSError) as e:  # Redis restarting: the heartbeat publishes later
         log.warning("first registry publish failed; the heartbeat retries", error=str(e))
-    task = asyncio.ensure_future(
-        heartbeat_forever(registry, report, heartbeat_s, ttl_s, on_missing)
+    stop_with(
+        stack,
+        asyncio.ensure_future(heartbeat_forever(registry, report, heartbeat_s, ttl_s, on_missing)),
     )
-
-    async def stop() -> None:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-
-    stack.push_async_callback(stop)
 
 
 async def _remove_quietly(registry: Registry, instance_id: str) -> None:

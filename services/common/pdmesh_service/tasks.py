@@ -4,6 +4,7 @@ shutdown, and loops that stop when cancelled."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Coroutine
 from typing import Any
 
@@ -28,6 +29,16 @@ class Background:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def stop_with(stack: contextlib.AsyncExitStack, task: asyncio.Future[Any]) -> None:
+    """Cancel `task` and wait for its end when `stack` closes (a loop in it pauses by `pause`)."""
+
+    async def stop() -> None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    stack.push_async_callback(stop)
 
 
 async def pause(delay_s: float) -> None:

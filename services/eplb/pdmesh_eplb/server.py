@@ -23,6 +23,7 @@ from pdmesh_service.grpc_server import MeshAuth, start_grpc_server
 from pdmesh_service.logging import get_logger
 from pdmesh_service.options import CommonConfig, add_common_arguments, common_from_args
 from pdmesh_service.registry import InstanceInfo, Registry, Role, connect, stay_registered
+from pdmesh_service.tasks import stop_with
 
 log = get_logger(__name__)
 ROLE = Role.EPLB
@@ -87,21 +88,6 @@ def config_from_args(args: argparse.Namespace) -> EplbConfig:
     )
 
 
-async def _run_in_background(
-    stack: contextlib.AsyncExitStack, balancer: Balancer, poll_s: float
-) -> None:
-    task = asyncio.ensure_future(balancer.run(poll_s))
-
-    async def stop() -> None:
-        # Cancel until it ends: a cancel landing inside a Redis command can resurface as an OSError,
-        # which the loop survives by design.
-        while not task.done():
-            task.cancel()
-            await asyncio.wait([task], timeout=1.0)
-
-    stack.push_async_callback(stop)
-
-
 async def serve(config: EplbConfig, ready: asyncio.Event | None = None) -> None:
     """Serve until cancelled; `ready` is set once requests are served and the registry lists us."""
     common = config.common
@@ -128,7 +114,7 @@ async def serve(config: EplbConfig, ready: asyncio.Event | None = None) -> None:
         instance_id = servicer.instance_id = common.instance(ROLE, server.port)
         info = InstanceInfo(instance_id, ROLE, common.address(server.port), ready=True)
         await stay_registered(stack, registry, lambda: info, common.heartbeat_s)
-        await _run_in_background(stack, balancer, config.poll_s)
+        stop_with(stack, asyncio.ensure_future(balancer.run(config.poll_s)))
         await server.set_serving(True)
         log.info(
             "serving", role=ROLE, instance=instance_id, address=info.address, enabled=config.enabled

@@ -26,7 +26,7 @@ from pdmesh_service.grpc_server import MeshAuth, start_grpc_server
 from pdmesh_service.logging import get_logger
 from pdmesh_service.options import CommonConfig, add_common_arguments, common_from_args
 from pdmesh_service.registry import InstanceInfo, Registry, connect, stay_registered
-from pdmesh_service.tasks import pause
+from pdmesh_service.tasks import pause, stop_with
 
 log = get_logger(__name__)
 ROLE = "kvstore"
@@ -126,10 +126,4 @@ def _start_index_sweep(
     stack: contextlib.AsyncExitStack, index: PrefixIndex, registry: Registry, interval_s: float
 ) -> None:
     """Run `sweep_index` every `interval_s` until `stack` closes."""
-    task = asyncio.ensure_future(_sweep_forever(index, registry, interval_s))
-
-    async def stop() -> None:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-
-    stack.push_async_callback(stop)
+    stop_with(stack, asyncio.ensure_future(_sweep_forever(index, registry, interval_s)))

@@ -43,7 +43,7 @@ from pdmesh_service.logging import get_logger
 from pdmesh_service.options import CommonConfig, ServiceStopped
 from pdmesh_service.redis_server import free_port
 from pdmesh_service.registry import InstanceInfo, Registry, connect, stay_registered
-from pdmesh_service.tasks import pause
+from pdmesh_service.tasks import pause, stop_with
 from pdmesh_service.worker.convert import heartbeat_stats
 from pdmesh_service.worker.dep_instance import DEPOptions, master_addr
 from pdmesh_service.worker.engine_loop import EngineLoop, EngineRole
@@ -213,7 +213,7 @@ async def run_worker(
         )
         await server.set_serving(True)
         if engine_config.enable_prefix_caching:
-            _stop_with(stack, start_kv_event_publisher(loop, kvstore, instance_id))
+            stop_with(stack, start_kv_event_publisher(loop, kvstore, instance_id))
         if dep is not None and dep.eplb_report_s > 0:
             _start_eplb_agent(
                 stack,
@@ -268,17 +268,7 @@ def _start_eplb_agent(
 ) -> None:
     """Run the rank's EPLB agent (worker.eplb_agent) until `stack` closes (first: before Redis and
     the loop)."""
-    _stop_with(stack, asyncio.ensure_future(run_eplb_agent(loop, redis, config)))
-
-
-def _stop_with(stack: contextlib.AsyncExitStack, task: asyncio.Future[None]) -> None:
-    """Cancel `task` (and wait for it) when `stack` closes."""
-
-    async def stop() -> None:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-
-    stack.push_async_callback(stop)
+    stop_with(stack, asyncio.ensure_future(run_eplb_agent(loop, redis, config)))
 
 
 async def _until_stopped(loop: EngineLoop, instance_id: str, dep: bool) -> None:
