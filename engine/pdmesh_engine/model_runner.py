@@ -78,7 +78,10 @@ def allocate_kv_memory(
         (num_layers, num_blocks, block_size, entry_dim), dtype=dtype, device=device
     )
     huge_pages.advise(memory, collapse=False)  # before the first touch: no copy
-    return memory.zero_()
+    memory.zero_()
+    # pages the allocator had touched before (heap it reused) are copied into huge pages now
+    huge_pages.advise(memory, collapse=True)
+    return memory
 
 
 @dataclass(frozen=True)
