@@ -12,7 +12,6 @@ again, so a Redis restart is survived without restarting anybody.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
@@ -118,10 +117,7 @@ async def stay_registered(
         await registry.publish(info, ttl_s)
     except (aioredis.RedisError, OSError) as e:  # Redis restarting: the heartbeat publishes later
         log.warning("first registry publish failed; the heartbeat retries", error=str(e))
-    stop_with(
-        stack,
-        asyncio.ensure_future(heartbeat_forever(registry, report, heartbeat_s, ttl_s, on_missing)),
-    )
+    stop_with(stack, heartbeat_forever(registry, report, heartbeat_s, ttl_s, on_missing))
 
 
 async def _remove_quietly(registry: Registry, instance_id: str) -> None:

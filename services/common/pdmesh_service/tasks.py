@@ -31,8 +31,12 @@ class Background:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def stop_with(stack: contextlib.AsyncExitStack, task: asyncio.Future[Any]) -> None:
-    """Cancel `task` and wait for its end when `stack` closes (a loop in it pauses by `pause`)."""
+def stop_with(
+    stack: contextlib.AsyncExitStack, work: Coroutine[Any, Any, Any] | asyncio.Future[Any]
+) -> None:
+    """Run `work` as a task until `stack` closes, then cancel it and wait for its end (a loop in
+    it pauses by `pause`)."""
+    task = asyncio.ensure_future(work)
 
     async def stop() -> None:
         task.cancel()

@@ -114,7 +114,7 @@ async def serve(config: EplbConfig, ready: asyncio.Event | None = None) -> None:
         instance_id = servicer.instance_id = common.instance(ROLE, server.port)
         info = InstanceInfo(instance_id, ROLE, common.address(server.port), ready=True)
         await stay_registered(stack, registry, lambda: info, common.heartbeat_s)
-        stop_with(stack, asyncio.ensure_future(balancer.run(config.poll_s)))
+        stop_with(stack, balancer.run(config.poll_s))
         await server.set_serving(True)
         log.info(
             "serving", role=ROLE, instance=instance_id, address=info.address, enabled=config.enabled

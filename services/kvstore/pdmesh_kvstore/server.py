@@ -126,4 +126,4 @@ def _start_index_sweep(
     stack: contextlib.AsyncExitStack, index: PrefixIndex, registry: Registry, interval_s: float
 ) -> None:
     """Run `sweep_index` every `interval_s` until `stack` closes."""
-    stop_with(stack, asyncio.ensure_future(_sweep_forever(index, registry, interval_s)))
+    stop_with(stack, _sweep_forever(index, registry, interval_s))

@@ -268,7 +268,7 @@ def _start_eplb_agent(
 ) -> None:
     """Run the rank's EPLB agent (worker.eplb_agent) until `stack` closes (first: before Redis and
     the loop)."""
-    stop_with(stack, asyncio.ensure_future(run_eplb_agent(loop, redis, config)))
+    stop_with(stack, run_eplb_agent(loop, redis, config))
 
 
 async def _until_stopped(loop: EngineLoop, instance_id: str, dep: bool) -> None:
