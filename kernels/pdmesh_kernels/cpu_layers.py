@@ -5,7 +5,9 @@ dispatch overhead that is larger than its arithmetic. `cpu/layers.c` runs whole 
 the paged latent cache, routing, experts, shared experts) with no Python in between: the batch's
 tensors and the weights go in as pointers, threads by OpenMP (the runtime torch already loaded, so
 the two share one thread pool). Two builds of the one source: fp32 weights and KV cache, or bf16
-weights and KV cache (`-DPD_BF16`); activations and sums are fp32 in both.
+weights and KV cache (`-DPD_BF16`); activations and sums are fp32 in both, except that a bf16
+build on a CPU with AVX512-BF16 rounds the inputs of its products other than the routed experts'
+to bf16 for native dot products (fp32 sums).
 
 The library is compiled on first use with the system C compiler (`$CC`, else `cc`; -O3
 -march=native -fopenmp) into a cache folder (`$PDMESH_KERNEL_CACHE`, else

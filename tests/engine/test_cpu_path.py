@@ -334,10 +334,16 @@ def test_a_forward_is_a_few_ops_and_every_batch_takes_the_c_path() -> None:
 
 
 @torch.inference_mode()
-def test_a_row_computes_the_same_alone_and_beside_other_rows() -> None:
-    model = _random_model(hidden_size=64, intermediate_size=96, moe_intermediate_size=40)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_a_row_computes_the_same_alone_and_beside_other_rows(dtype: torch.dtype) -> None:
+    # bf16: on a CPU with bf16 dot products, a few tokens' products stream W a pair of rows at a
+    # time and many tokens' go by register blocks; each column's sum is the same chain either way
+    model = _random_model(
+        dtype=dtype, hidden_size=64, intermediate_size=96, moe_intermediate_size=40
+    )
     config = model.config
-    caches = torch.zeros(config.num_hidden_layers, 48, BLOCK, config.kv_cache_dim)
+    caches = torch.zeros(config.num_hidden_layers, 48, BLOCK, config.kv_cache_dim, dtype=dtype)
     lens = [11, 5, 17]
     _, blocks = _prefill(model, caches, lens, seed=7, room=40)
     alone = ForwardBatch.build([[3]], lens[:1], blocks[:1], BLOCK, [True], "cpu")
@@ -351,7 +357,8 @@ def test_a_row_computes_the_same_alone_and_beside_other_rows() -> None:
     assert torch.equal(kv_alone[:, blocks[0]], kv_crowd[:, blocks[0]])
     # the decode after the chunk, too (the absorbed tokens are not a prefix of the batch)
     assert torch.equal(model(last_alone, caches.clone())[0], hidden_crowd[38])
-    logits = model.compute_logits(hidden_crowd[[0, 1, 37, 38]])
+    logits = model.compute_logits(hidden_crowd)  # 39 rows: the head by many tokens' kernel
+    assert logits.dtype == torch.float32  # (the sums, not rounded to bf16 first)
     assert torch.equal(model.compute_logits(hidden_alone), logits[:1])
 
 

@@ -1,7 +1,8 @@
 """The CPU path: a model's decoder layers as one C call (`pdmesh_kernels.cpu_layers`).
 
 Taken by every forward on CPU with fp32 or bf16 weights (the KV cache in the same dtype;
-activations and sums fp32 in both) and in-process experts, whatever the batch, and by the
+activations and sums fp32 in both, bf16 products' inputs rounded to bf16 where the CPU has bf16
+dot products) and in-process experts, whatever the batch, and by the
 vocabulary heads. One path for every batch keeps a row's result independent of the rows beside
 it: a speculative verify row then computes exactly what the plain decode of that token does, and
 greedy output with speculation equals it without (with the earlier size switch, where batches
