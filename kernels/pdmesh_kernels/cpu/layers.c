@@ -610,7 +610,11 @@ static inline v8 hsums(const v8 a[8]) {
  * the max of softmax_numerators in 8 lanes: 32 decodes of `small` at context 320, the scores and
  * sums with the cache hot, fp32 9.6-10.6 -> 7.8-8.6 ms, bf16 8.0-8.3 -> 7.4-7.8 (cold, fp32
  * 11.1-11.8 -> 10.2-10.4, bf16 unchanged at 8.7-8.8: bound by reading the cache). */
+#ifdef __AVX__
 #define in_register(v) __asm__("" : "+x"(v))
+#else /* no vector register class to name (SSE-only x86 splits v8 in two; other ISAs) */
+#define in_register(v) ((void)0)
+#endif
 
 /* y[:n] += a * x[:n] */
 static inline void axpy(float *y, float a, const kt *x, int64_t n) {
