@@ -296,7 +296,8 @@ static void matmul_panels(const float *X, int64_t ldx, const wt *W, int64_t ldw,
  * alone (cold W, us): 32 tokens, 512 x 256, 120 -> 73, 512 x 1536 796 -> 517; warm, 1-4 tokens,
  * 2.4-4.4x faster. The experts' products (cold, 1-4 tokens, 2 threads) read W 10-30% slower as
  * pairs of rows than the widening stream reads it row by row, and they are bound by that reading:
- * in the experts too the whole step was no faster (28.9-30.8 against 26.9-29.8 ms). */
+ * with dot products in the experts too, the whole step was no faster (28.9-30.8 against 26.9-29.8
+ * ms). */
 enum {
     DP_CHUNK = 32,     /* the columns one pair of rows fills: two registers of 16 lanes */
     DP_AHEAD = 8192,   /* bytes of W fetched ahead by dot_stream */
