@@ -957,7 +957,6 @@ static void attend_expanded(const pd_dims *d, const pd_layer *l, const pd_batch 
         float *scores = malloc(sizeof(float) * QUERY_BLOCK * S);
         float *acc = malloc(sizeof(float) * QUERY_BLOCK * V);
         if (!scores || !acc) abort();
-
 #pragma omp for schedule(dynamic)
         for (int64_t item = 0; item < H * blocks; item++) { /* the last (longest) blocks first */
             const int64_t hd = item % H, j0 = (blocks - 1 - item / H) * QUERY_BLOCK;
@@ -1084,20 +1083,17 @@ static void attention(const pd_dims *d, const pd_layer *l, const pd_batch *b, kt
                 free(qb);
                 bcap = MIN(nh * (EP + cp) * 2, nh * (EP + cp) + (1 << 20));
                 qb = malloc(sizeof(uint16_t) * bcap);
+                if (!qb) abort();
             }
             uint16_t *pb = qb + nh * EP;
-            for (int64_t j = 0; j < nh; j++) { /* the queries in bf16, zero to EP */
-                round_rows(qc + j * E, E, 1, E, E, qb + j * EP);
-                memset(qb + j * EP + E, 0, sizeof(uint16_t) * (EP - E));
-            }
+            round_rows(qc, E, nh, E, EP, qb); /* the queries in bf16, zero to EP */
             for (int64_t s0 = 0; s0 < ctx; s0 += BS)
                 score_rows_dp(qb, EP, nh, E, kv_cache + (int64_t)table[s0 / BS] * BS * E,
                               MIN(BS, ctx - s0), scores + s0, ctx,
                               s0 + BS < ctx ? kv_cache + (int64_t)table[s0 / BS + 1] * BS * E : NULL);
-            for (int64_t j = 0; j < nh; j++) {
+            for (int64_t j = 0; j < nh; j++)
                 total[j] = softmax_numerators(scores + j * ctx, ctx, d->attn_scale);
-                round_rows(scores + j * ctx, ctx, 1, ctx, cp, pb + j * cp);
-            }
+            round_rows(scores, ctx, nh, ctx, cp, pb); /* the probabilities, zero to cp */
             weigh_rows_dp(pb, cp, nh, kv_cache, table, BS, E, ctx, acc, L, L);
 #else
             for (int64_t s0 = 0; s0 < ctx; s0 += BS) /* scores, block by block */
