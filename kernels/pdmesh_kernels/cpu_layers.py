@@ -15,6 +15,10 @@ The library is compiled on first use with the system C compiler (`$CC`, else `cc
 compiler `library()` returns None and the engine keeps its torch path; `PDMESH_CPU_LAYERS=0` turns
 the C path off.
 
+Dense weights (every linear weight but the routed experts' and the heads' absorbed slices) go in
+`pack`ed: the fp32 build reads them as 16-column panels made once at load, the bf16 build as they
+are.
+
 The ctypes mirrors `Dims` and `Layer` must match `pd_dims` and `pd_layer` in `cpu/layers.c` field
 for field.
 """
@@ -28,6 +32,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -180,6 +185,10 @@ def _library(dtype: torch.dtype) -> ctypes.CDLL | None:
         ctypes.POINTER(Dims), ctypes.POINTER(Layer), ctypes.c_int64, _f32, ctypes.c_int64,
         _i64, _i64, _i64, _i32, ctypes.c_int64, _f32, _f32, _w, ctypes.c_int64, _i64, _f32,
     ]  # fmt: skip
+    lib.pd_packed_size.restype = ctypes.c_int64
+    lib.pd_packed_size.argtypes = [ctypes.c_int64, ctypes.c_int64]
+    lib.pd_pack.restype = None
+    lib.pd_pack.argtypes = [_w, ctypes.c_int64, ctypes.c_int64, _w]
     lib.pd_matmul.restype = ctypes.c_int
     lib.pd_matmul.argtypes = [
         _f32,
@@ -195,33 +204,56 @@ def _library(dtype: torch.dtype) -> ctypes.CDLL | None:
     return lib
 
 
+@dataclass(frozen=True)
+class Packed:
+    """A dense weight W [k, n] in the layout the build's products read (`pack`)."""
+
+    data: torch.Tensor
+    k: int
+    n: int
+
+
+def pack(lib: ctypes.CDLL, w: torch.Tensor) -> Packed:
+    """w [k, n] ([in, out], contiguous) in the build's dense layout: a packed copy (the fp32
+    build's panels, `pd_pack`), or w itself where the build reads it as it is (bf16; the fp32
+    routers of a bf16 build)."""
+    k, n = w.shape
+    size = lib.pd_packed_size(k, n)
+    if size == 0:
+        return Packed(w, k, n)
+    weights(w, lib.dtype)
+    if not w.is_contiguous():
+        raise ValueError(f"pack needs a contiguous [k, n] weight, got strides {w.stride()}")
+    out = torch.empty(size, dtype=w.dtype)
+    lib.pd_pack(w.data_ptr(), k, n, out.data_ptr())
+    return Packed(out, k, n)
+
+
 def matmul(
     lib: ctypes.CDLL,
     x: torch.Tensor,
-    w: torch.Tensor,
+    w: Packed,
     num_threads: int,
     norm: torch.Tensor | None = None,
     eps: float = 0.0,
     x2: torch.Tensor | None = None,
     norm2: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [T, k] fp32 @ w [k, n] (the library's dtype) -> [T, n] fp32, contiguous CPU tensors (the C
+    """x [T, k] fp32 @ w [k, n] (`pack`ed) -> [T, n] fp32, contiguous CPU tensors (the C
     products, which stay bound by reading w at a few rows where a BLAS GEMM of that shape is not).
     With `norm` [k] each row of x is RMS-normed first (`eps`); with `x2` [T, k/2] and `norm2` the
     input is cat(rms_norm(x) * norm, rms_norm(x2) * norm2) (x then [T, k/2])."""
-    rows, k = x.shape[0], w.shape[0]
+    rows, k = x.shape[0], w.k
     width = k // 2 if x2 is not None else k
-    if not (x.is_contiguous() and w.is_contiguous()) or x.shape[1] != width:
-        raise ValueError(
-            f"matmul needs contiguous [T, k] @ [k, n]: {tuple(x.shape)} @ {tuple(w.shape)}"
-        )
+    if not x.is_contiguous() or x.shape[1] != width:
+        raise ValueError(f"matmul needs contiguous [T, k] @ [k, n]: {tuple(x.shape)} @ {(k, w.n)}")
     if x2 is not None and (
         norm is None or norm2 is None or x2.shape != x.shape or not x2.is_contiguous()
     ):
         raise ValueError("a joined input needs both norms and a second input shaped like the first")
-    y = torch.empty(rows, w.shape[1], dtype=torch.float32)
+    y = torch.empty(rows, w.n, dtype=torch.float32)
     status = lib.pd_matmul(
-        f32(x), f32(x2), weights(w, lib.dtype), f32(y), rows, k, w.shape[1], num_threads,
+        f32(x), f32(x2), weights(w.data, lib.dtype), f32(y), rows, k, w.n, num_threads,
         f32(norm), f32(norm2), eps,
     )  # fmt: skip
     if status != 0:

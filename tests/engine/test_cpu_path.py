@@ -258,7 +258,8 @@ def test_mtp_block_matches_the_torch_path() -> None:
 @pytest.mark.parametrize("rows", [1, 3, 7, 40, 300])
 @torch.inference_mode()
 def test_the_heads_match_torch_and_a_row_is_the_same_in_any_batch(rows: int) -> None:
-    # 1100 columns: 3 rows sum in the kernel's stack block, 7 in a heap one (stream_rows)
+    # 1100 columns = 68 panels of 16 and a cut one; 1 row sweeps 4 panels at once, 300 rows pass
+    # more than one token block
     model = _random_model(vocab_size=1100)
     x = torch.randn(rows, model.config.hidden_size, generator=torch.Generator().manual_seed(rows))
     path = model.cpu_layers

@@ -21,7 +21,9 @@ neighbours.
 
 The layer tables (`pdmesh_kernels.cpu_layers.Layer`) point at the model's own parameters, stored
 for this path at load time (`DeepseekV3ForCausalLM.use_cpu_layouts`): linear weights as [in, out],
-the experts as row tables. Placement switches (EPLB) are picked up at the next forward; expert
+the experts as row tables. The dense products read their weights in the build's layout
+(`cpu_layers.pack`): the fp32 build keeps packed copies of them (the linear weights, the
+routers), made here once. Placement switches (EPLB) are picked up at the next forward; expert
 weights copied into their slots keep their storage.
 
 Legend: T tokens, D hidden size, K experts per token.
@@ -40,7 +42,7 @@ from pdmesh_engine.forward_batch import ForwardBatch
 from pdmesh_engine.model.layers import DenseMLP, RMSNorm
 from pdmesh_engine.model.moe import ExpertLoadRecorder, ExpertPlacement, LocalDispatcher, MoE
 from pdmesh_kernels import cpu_layers
-from pdmesh_kernels.cpu_layers import Dims, Layer, f32, i64, weights
+from pdmesh_kernels.cpu_layers import Dims, Layer, Packed, f32, i64, weights
 
 if TYPE_CHECKING:
     from pdmesh_engine.model.deepseek_v3 import DecoderLayer, DeepseekV3ForCausalLM, MTPLayer
@@ -92,6 +94,8 @@ class CpuLayerPath:
         self.mtp_tables = (Layer * len(self.mtp_layers))()
         # fp32 copies of a bf16 model's norms, biases and MTP router, by the parameter's id
         self._fp32: dict[int, torch.Tensor] = {}
+        # the dense weights in the build's layout, by the parameter's id
+        self._packed: dict[int, Packed] = {}
         for table, layer in zip(self.tables, self.layers, strict=True):
             self._fill(table, layer)
         for table, layer in zip(self.mtp_tables, self.mtp_layers, strict=True):
@@ -164,10 +168,11 @@ class CpuLayerPath:
         if x.device.type != "cpu":
             return None
         x = _fp32(x)
+        w = self._dense(linear.weight, _t(linear))
         if norm is None:
-            return cpu_layers.matmul(self.lib, x, _t(linear), torch.get_num_threads())
+            return cpu_layers.matmul(self.lib, x, w, torch.get_num_threads())
         weight, eps = self._as_fp32(norm.weight), norm.eps
-        return cpu_layers.matmul(self.lib, x, _t(linear), torch.get_num_threads(), weight, eps)
+        return cpu_layers.matmul(self.lib, x, w, torch.get_num_threads(), weight, eps)
 
     def mtp_input(
         self, embeds: torch.Tensor, prev_hidden: torch.Tensor, mtp: MTPLayer
@@ -177,7 +182,7 @@ class CpuLayerPath:
         return cpu_layers.matmul(
             self.lib,
             _fp32(embeds),
-            _t(mtp.eh_proj),
+            self._dense(mtp.eh_proj.weight, _t(mtp.eh_proj)),
             torch.get_num_threads(),
             self._as_fp32(mtp.enorm.weight),
             mtp.enorm.eps,
@@ -192,6 +197,12 @@ class CpuLayerPath:
         if id(param) not in self._fp32:
             self._fp32[id(param)] = param.float()
         return self._fp32[id(param)]
+
+    def _dense(self, param: torch.Tensor, w: torch.Tensor) -> Packed:
+        """The dense weight w [in, out] (a view of `param`) in the build's layout, packed once."""
+        if id(param) not in self._packed:
+            self._packed[id(param)] = cpu_layers.pack(self.lib, _contiguous(w, "a linear weight"))
+        return self._packed[id(param)]
 
     def _token_seq(self, batch: ForwardBatch) -> torch.Tensor:
         """Each token's sequence (its row of the block tables)."""
@@ -214,39 +225,42 @@ class CpuLayerPath:
         def w(tensor: torch.Tensor) -> int | None:
             return weights(tensor, self.dtype)
 
+        def packed(linear: nn.Linear) -> int | None:
+            return w(self._dense(linear.weight, _t(linear)).data)
+
         table.input_norm = norm(layer.input_layernorm.weight)
         table.post_norm = norm(layer.post_attention_layernorm.weight)
         if attn.has_q_lora:
-            table.q_a = w(_contiguous(_t(attn.q_a_proj), "q_a_proj"))
+            table.q_a = packed(attn.q_a_proj)
             table.q_a_bias = norm(attn.q_a_proj.bias)
             table.q_a_norm = norm(attn.q_a_layernorm.weight)
-            table.q_b = w(_contiguous(_t(attn.q_b_proj), "q_b_proj"))
+            table.q_b = packed(attn.q_b_proj)
         else:
-            table.q_proj = w(_contiguous(_t(attn.q_proj), "q_proj"))
-        table.kv_a = w(_contiguous(_t(attn.kv_a_proj_with_mqa), "kv_a_proj_with_mqa"))
+            table.q_proj = packed(attn.q_proj)
+        table.kv_a = packed(attn.kv_a_proj_with_mqa)
         table.kv_a_norm = norm(attn.kv_a_layernorm.weight)
         if attn.w_uk is None or attn.w_uv_t is None:
             raise ValueError("MLA weights not processed (process_weights)")
         table.w_uk = w(_contiguous(attn.w_uk, "w_uk"))
         table.w_uv = w(_contiguous(attn.w_uv_t, "w_uv_t"))
-        table.kv_b = w(_contiguous(_t(attn.kv_b_proj), "kv_b_proj"))
-        table.o_proj = w(_contiguous(_t(attn.o_proj), "o_proj"))
+        table.kv_b = packed(attn.kv_b_proj)
+        table.o_proj = packed(attn.o_proj)
         table.kv_a_bias = norm(attn.kv_a_proj_with_mqa.bias)
         table.o_bias = norm(attn.o_proj.bias)
         mlp = layer.mlp
         dense = mlp if isinstance(mlp, DenseMLP) else mlp.shared_experts
         table.mlp_width = dense.gate_proj.out_features if dense is not None else 0
         if dense is not None:
-            table.gate = w(_contiguous(_t(dense.gate_proj), "gate_proj"))
-            table.up = w(_contiguous(_t(dense.up_proj), "up_proj"))
-            table.down = w(_contiguous(_t(dense.down_proj), "down_proj"))
+            table.gate = packed(dense.gate_proj)
+            table.up = packed(dense.up_proj)
+            table.down = packed(dense.down_proj)
         table.moe_index = -1
         if isinstance(mlp, MoE):
             table.moe_index = mlp.moe_index
             table.moe_width = mlp.w2.shape[2]
             table.num_slots = mlp.w13.shape[0]
-            router = self._as_fp32(mlp.gate.weight).t()
-            table.router = f32(_contiguous(router, "the router weight"))
+            router = self._as_fp32(mlp.gate.weight).t()  # packed in an fp32 build
+            table.router = f32(self._dense(mlp.gate.weight, router).data)
             table.router_bias = norm(mlp.gate.e_score_correction_bias)
             table.w13 = w(_contiguous(mlp.w13.transpose(1, 2), "w13"))
             table.w2 = w(_contiguous(mlp.w2.transpose(1, 2), "w2"))
