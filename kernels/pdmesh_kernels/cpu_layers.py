@@ -15,9 +15,9 @@ The library is compiled on first use with the system C compiler (`$CC`, else `cc
 compiler `library()` returns None and the engine keeps its torch path; `PDMESH_CPU_LAYERS=0` turns
 the C path off.
 
-Dense weights (every linear weight but the routed experts' and the heads' absorbed slices) go in
-`pack`ed: the fp32 build reads them as 16-column panels made once at load, the bf16 build as they
-are.
+Dense weights (the linear weights, the fp32 build's routers, each routed expert's w13 and w2) go
+in `pack`ed: the fp32 build reads them as 16-column panels made once at load, the bf16 build as
+they are.
 
 The ctypes mirrors `Dims` and `Layer` must match `pd_dims` and `pd_layer` in `cpu/layers.c` field
 for field.
@@ -221,12 +221,19 @@ def pack(lib: ctypes.CDLL, w: torch.Tensor) -> Packed:
     size = lib.pd_packed_size(k, n)
     if size == 0:
         return Packed(w, k, n)
-    weights(w, lib.dtype)
-    if not w.is_contiguous():
-        raise ValueError(f"pack needs a contiguous [k, n] weight, got strides {w.stride()}")
     out = torch.empty(size, dtype=w.dtype)
-    lib.pd_pack(w.data_ptr(), k, n, out.data_ptr())
+    pack_into(lib, w, out)
     return Packed(out, k, n)
+
+
+def pack_into(lib: ctypes.CDLL, w: torch.Tensor, out: torch.Tensor) -> None:
+    """out[:] = w [k, n] ([in, out], contiguous) in the build's dense layout, `out` holding
+    `lib.pd_packed_size(k, n)` elements (a slot of a table of experts)."""
+    k, n = w.shape
+    weights(w, lib.dtype)
+    if not w.is_contiguous() or out.numel() != lib.pd_packed_size(k, n) or not out.is_contiguous():
+        raise ValueError("pack_into needs a contiguous [k, n] weight and a buffer of its size")
+    lib.pd_pack(w.data_ptr(), k, n, weights(out, lib.dtype))
 
 
 def matmul(

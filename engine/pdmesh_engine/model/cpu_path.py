@@ -21,10 +21,11 @@ neighbours.
 
 The layer tables (`pdmesh_kernels.cpu_layers.Layer`) point at the model's own parameters, stored
 for this path at load time (`DeepseekV3ForCausalLM.use_cpu_layouts`): linear weights as [in, out],
-the experts as row tables. The dense products read their weights in the build's layout
-(`cpu_layers.pack`): the fp32 build keeps packed copies of them (the linear weights, the
-routers), made here once. Placement switches (EPLB) are picked up at the next forward; expert
-weights copied into their slots keep their storage.
+the experts as row tables. The products read their weights in the build's layout
+(`cpu_layers.pack`): the fp32 build keeps packed copies of them (the linear weights, the routers,
+the experts' slots: twice the weights' memory), made here once. Placement switches (EPLB) are
+picked up at the next forward: the slots whose expert changed are packed again (fp32), or read
+where they were copied (bf16, whose tables point at the parameters).
 
 Legend: T tokens, D hidden size, K experts per token.
 """
@@ -96,6 +97,8 @@ class CpuLayerPath:
         self._fp32: dict[int, torch.Tensor] = {}
         # the dense weights in the build's layout, by the parameter's id
         self._packed: dict[int, Packed] = {}
+        # packed copies of a layer's expert slots (w13, w2) and the experts they hold, by layer id
+        self._expert_copies: dict[int, tuple[torch.Tensor, torch.Tensor, list[int]]] = {}
         for table, layer in zip(self.tables, self.layers, strict=True):
             self._fill(table, layer)
         for table, layer in zip(self.mtp_tables, self.mtp_layers, strict=True):
@@ -262,15 +265,45 @@ class CpuLayerPath:
             router = self._as_fp32(mlp.gate.weight).t()  # packed in an fp32 build
             table.router = f32(self._dense(mlp.gate.weight, router).data)
             table.router_bias = norm(mlp.gate.e_score_correction_bias)
-            table.w13 = w(_contiguous(mlp.w13.transpose(1, 2), "w13"))
-            table.w2 = w(_contiguous(mlp.w2.transpose(1, 2), "w2"))
+            table.w13, table.w2 = self._expert_tables(layer, mlp)
             _set_placement(table, mlp)
+
+    def _expert_tables(self, layer: DecoderLayer, moe: MoE) -> tuple[int | None, int | None]:
+        """The addresses of the slots' w13 [P, D, 2I] and w2 [P, I, D] in the build's layout: the
+        row tables themselves, or packed copies of every slot (kept current by `_pack_slots`)."""
+        w13 = _contiguous(moe.w13.transpose(1, 2), "w13")
+        w2 = _contiguous(moe.w2.transpose(1, 2), "w2")
+        size13 = self.lib.pd_packed_size(*w13.shape[1:])
+        if size13 == 0:
+            return weights(w13, self.dtype), weights(w2, self.dtype)
+        size2 = self.lib.pd_packed_size(*w2.shape[1:])
+        num_slots = w13.shape[0]
+        copies = (
+            torch.empty(num_slots, size13, dtype=w13.dtype),
+            torch.empty(num_slots, size2, dtype=w2.dtype),
+        )
+        self._expert_copies[id(layer)] = (*copies, [-1] * num_slots)
+        self._pack_slots(layer, moe)
+        return weights(copies[0], self.dtype), weights(copies[1], self.dtype)
+
+    def _pack_slots(self, layer: DecoderLayer, moe: MoE) -> None:
+        """Pack the slots of `layer`'s expert copies whose expert is not the one they hold."""
+        if id(layer) not in self._expert_copies:
+            return
+        w13_copy, w2_copy, held = self._expert_copies[id(layer)]
+        w13, w2 = moe.w13.transpose(1, 2), moe.w2.transpose(1, 2)
+        for slot, expert in enumerate(moe.slot_experts):
+            if held[slot] != expert:
+                cpu_layers.pack_into(self.lib, w13[slot], w13_copy[slot])
+                cpu_layers.pack_into(self.lib, w2[slot], w2_copy[slot])
+                held[slot] = expert
 
     def _refresh_placements(self, tables: ctypes.Array[Layer], layers: list[DecoderLayer]) -> None:
         """Point the MoE tables at the placements running now (EPLB swaps them between steps)."""
         for table, layer in zip(tables, layers, strict=True):
             moe = layer.mlp
             if isinstance(moe, MoE) and self._placements.get(id(layer)) is not moe.placement:
+                self._pack_slots(layer, moe)  # the slots moved with it (copied before the switch)
                 _set_placement(table, moe)
                 self._placements[id(layer)] = moe.placement
 

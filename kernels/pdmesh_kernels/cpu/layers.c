@@ -20,7 +20,8 @@
  *                    the fp32 build's routers too
  *   w_uk [H, N, L], w_uv [H, L, V]   (kv_b_proj split per head, as the torch path's bmm uses)
  *   kv_b [L, H (N + V)]               (kv_b_proj whole, a linear weight: the prefill's expansion)
- *   w13 [P, D, 2I], w2 [P, I, D]      (the experts' row tables: gate|up, then down)
+ *   w13 [P, D, 2I], w2 [P, I, D]      (the experts' row tables: gate|up, then down), each slot
+ *                                     in the build's dense layout
  *   kv cache [num_blocks, block_size, L + R]; rope tables [max_pos, R] as (cos, cos), (-sin, sin)
  *
  * Legend: T tokens, D hidden, H heads, N nope dim, R rope dim, L kv_lora_rank, V v dim,
@@ -293,7 +294,11 @@ static void matmul_panels(const float *X, int64_t ldx, const wt *W, int64_t ldw,
  * Measured on `small` (fp32, 2 threads, forward ms, 3 alternating runs, against stream_rows for
  * up to 8 tokens and matmul_panels above): one decode at context 320 6.7-7.2 -> 4.9-5.3; 32
  * decodes 39.6-42.5 -> 37.2-39.2 (the attention and MLP products 15-25% faster); a prefill of 8
- * x 256 tokens 813-841 -> 812-817. The lm head alone (cold, 2 threads): 32 rows 3.1-3.3 -> 2.1. */
+ * x 256 tokens 813-841 -> 812-817. The lm head alone (cold, 2 threads): 32 rows 3.1-3.3 -> 2.1.
+ * The routed experts' slots too, against stream_rows and matmul_panels (the same runs after the
+ * above): 32 decodes 36.2-38.5 -> 31.8-33.7, one decode 4.4-4.7 -> 3.8-4.0, the prefill 726-784
+ * -> 659-739; alone (cold, 704 experts, 2 threads), 2-4 tokens read them at 26-29 GB/s where
+ * streaming their rows read 18-22. */
 enum { PANEL = 16 };
 
 static void pack_panels(const float *W, int64_t k, int64_t n, float *P) {
@@ -528,7 +533,7 @@ static void dot_rows(const uint16_t *xb, int64_t kp, const uint16_t *W, int64_t 
 
 /* Y[t, c0:c1] = X[t, :k] @ W[:k, c0:c1] for t < T (single-threaded), W's elements widened to
  * fp32: up to STREAM_MAX_T tokens stream W's rows (stream_rows), more go by panels
- * (matmul_panels). The routed experts' products, in every build. */
+ * (matmul_panels). The routed experts' products in the bf16 build. */
 static void widened_cols(const float *X, int64_t ldx, const wt *W, int64_t ldw, float *Y,
                          int64_t ldy, int64_t T, int64_t k, int64_t c0, int64_t c1) {
     if (T <= STREAM_MAX_T)
@@ -554,6 +559,26 @@ static void matmul_cols(const float *X, int64_t ldx, const wt *W, int64_t ldw, f
     if (xb != on_stack) free(xb);
 #else
     widened_cols(X, ldx, W, ldw, Y, ldy, T, k, c0, c1);
+#endif
+}
+
+/* Elements of a weight [k, n] in the build's dense layout (pd_pack) */
+static inline int64_t dense_elems(int64_t k, int64_t n) {
+#ifdef PD_BF16
+    return k * n;
+#else
+    return (n + PANEL - 1) / PANEL * PANEL * k;
+#endif
+}
+
+/* Y [T, n] = X [T, k] @ W [k, n], one routed expert's product (single-threaded), W in the build's
+ * dense layout: the fp32 build's panels, the bf16 build's rows widened (widened_cols). */
+static void expert_cols(const float *X, int64_t ldx, const wt *W, int64_t k, int64_t n, float *Y,
+                        int64_t ldy, int64_t T) {
+#ifdef PD_BF16
+    widened_cols(X, ldx, W, n, Y, ldy, T, k, 0, n);
+#else
+    panel_cols(X, ldx, W, k, Y, ldy, T, 0, n);
 #endif
 }
 
@@ -1328,11 +1353,11 @@ static void moe(const pd_dims *d, const pd_layer *l, const float *h, float *x, i
             float *gate_up = rows + T * D, *hidden = gate_up + T * 2 * I, *out = hidden + T * I;
             for (int64_t r = 0; r < n; r++)
                 memcpy(rows + r * D, h + (order[start[p] + r] / K) * D, D * sizeof(float));
-            widened_cols(rows, D, l->w13 + p * D * 2 * I, 2 * I, gate_up, 2 * I, n, D, 0, 2 * I);
+            expert_cols(rows, D, l->w13 + p * dense_elems(D, 2 * I), D, 2 * I, gate_up, 2 * I, n);
             for (int64_t r = 0; r < n; r++)
                 for (int64_t i = 0; i < I; i++)
                     hidden[r * I + i] = silu(gate_up[r * 2 * I + i]) * gate_up[r * 2 * I + I + i];
-            widened_cols(hidden, I, l->w2 + p * I * D, D, out, D, n, I, 0, D);
+            expert_cols(hidden, I, l->w2 + p * dense_elems(I, D), I, D, out, D, n);
             for (int64_t r = 0; r < n; r++)
                 memcpy(pair_out + order[start[p] + r] * D, out + r * D, D * sizeof(float));
         }
@@ -1431,7 +1456,7 @@ int64_t pd_packed_size(int64_t k, int64_t n) {
     (void)k, (void)n;
     return 0;
 #else
-    return (n + PANEL - 1) / PANEL * PANEL * k;
+    return dense_elems(k, n);
 #endif
 }
 
