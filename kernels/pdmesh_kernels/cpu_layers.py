@@ -15,9 +15,9 @@ The library is compiled on first use with the system C compiler (`$CC`, else `cc
 compiler `library()` returns None and the engine keeps its torch path; `PDMESH_CPU_LAYERS=0` turns
 the C path off.
 
-Dense weights (the linear weights, the fp32 build's routers, each routed expert's w13 and w2) go
-in `pack`ed: the fp32 build reads them as 16-column panels made once at load, the bf16 build as
-they are.
+Weights go in the layouts the products read fastest, made once at load: each routed expert's w13
+and w2 as 16-column panels (`pack_into`) in both builds; the linear weights (and the routers) as
+panels in the fp32 build, as they are in the bf16 build, whose dot products read rows (`pack`).
 
 The ctypes mirrors `Dims` and `Layer` must match `pd_dims` and `pd_layer` in `cpu/layers.c` field
 for field.
@@ -185,8 +185,10 @@ def _library(dtype: torch.dtype) -> ctypes.CDLL | None:
         ctypes.POINTER(Dims), ctypes.POINTER(Layer), ctypes.c_int64, _f32, ctypes.c_int64,
         _i64, _i64, _i64, _i32, ctypes.c_int64, _f32, _f32, _w, ctypes.c_int64, _i64, _f32,
     ]  # fmt: skip
-    lib.pd_packed_size.restype = ctypes.c_int64
-    lib.pd_packed_size.argtypes = [ctypes.c_int64, ctypes.c_int64]
+    lib.pd_dense_panels.restype = ctypes.c_int
+    lib.pd_dense_panels.argtypes = []
+    lib.pd_panels_size.restype = ctypes.c_int64
+    lib.pd_panels_size.argtypes = [ctypes.c_int64, ctypes.c_int64]
     lib.pd_pack.restype = None
     lib.pd_pack.argtypes = [_w, ctypes.c_int64, ctypes.c_int64, _w]
     lib.pd_matmul.restype = ctypes.c_int
@@ -214,24 +216,22 @@ class Packed:
 
 
 def pack(lib: ctypes.CDLL, w: torch.Tensor) -> Packed:
-    """w [k, n] ([in, out], contiguous) in the build's dense layout: a packed copy (the fp32
-    build's panels, `pd_pack`), or w itself where the build reads it as it is (bf16; the fp32
-    routers of a bf16 build)."""
+    """A linear weight w [k, n] ([in, out], contiguous) in the build's dense layout: packed into
+    panels (a copy, the fp32 build), or w itself (the bf16 build, and its fp32 routers)."""
     k, n = w.shape
-    size = lib.pd_packed_size(k, n)
-    if size == 0:
+    if not lib.pd_dense_panels():
         return Packed(w, k, n)
-    out = torch.empty(size, dtype=w.dtype)
+    out = torch.empty(lib.pd_panels_size(k, n), dtype=w.dtype)
     pack_into(lib, w, out)
     return Packed(out, k, n)
 
 
 def pack_into(lib: ctypes.CDLL, w: torch.Tensor, out: torch.Tensor) -> None:
-    """out[:] = w [k, n] ([in, out], contiguous) in the build's dense layout, `out` holding
-    `lib.pd_packed_size(k, n)` elements (a slot of a table of experts)."""
+    """out[:] = w [k, n] ([in, out], contiguous, the build's dtype) in 16-column panels (`pd_pack`),
+    `out` holding `lib.pd_panels_size(k, n)` elements (a weight, or an expert's slot in a table)."""
     k, n = w.shape
     weights(w, lib.dtype)
-    if not w.is_contiguous() or out.numel() != lib.pd_packed_size(k, n) or not out.is_contiguous():
+    if not w.is_contiguous() or out.numel() != lib.pd_panels_size(k, n) or not out.is_contiguous():
         raise ValueError("pack_into needs a contiguous [k, n] weight and a buffer of its size")
     lib.pd_pack(w.data_ptr(), k, n, weights(out, lib.dtype))
 

@@ -21,11 +21,11 @@ neighbours.
 
 The layer tables (`pdmesh_kernels.cpu_layers.Layer`) point at the model's own parameters, stored
 for this path at load time (`DeepseekV3ForCausalLM.use_cpu_layouts`): linear weights as [in, out],
-the experts as row tables. The products read their weights in the build's layout
-(`cpu_layers.pack`): the fp32 build keeps packed copies of them (the linear weights, the routers,
-the experts' slots: twice the weights' memory), made here once. Placement switches (EPLB) are
-picked up at the next forward: the slots whose expert changed are packed again (fp32), or read
-where they were copied (bf16, whose tables point at the parameters).
+the experts as row tables. The C products read copies of them in the layouts they read fastest
+(`cpu_layers.pack`), made here once: the experts' slots packed into panels in both builds, the
+linear weights and routers in the fp32 build (the bf16 build's tables point at those parameters).
+The copies take as much memory again as the weights they copy. Placement switches (EPLB) are
+picked up at the next forward, the slots whose expert changed packed again.
 
 Legend: T tokens, D hidden size, K experts per token.
 """
@@ -269,14 +269,12 @@ class CpuLayerPath:
             _set_placement(table, mlp)
 
     def _expert_tables(self, layer: DecoderLayer, moe: MoE) -> tuple[int | None, int | None]:
-        """The addresses of the slots' w13 [P, D, 2I] and w2 [P, I, D] in the build's layout: the
-        row tables themselves, or packed copies of every slot (kept current by `_pack_slots`)."""
+        """The addresses of packed copies of every slot's w13 [D, 2I] and w2 [I, D] (kept current
+        by `_pack_slots`)."""
         w13 = _contiguous(moe.w13.transpose(1, 2), "w13")
         w2 = _contiguous(moe.w2.transpose(1, 2), "w2")
-        size13 = self.lib.pd_packed_size(*w13.shape[1:])
-        if size13 == 0:
-            return weights(w13, self.dtype), weights(w2, self.dtype)
-        size2 = self.lib.pd_packed_size(*w2.shape[1:])
+        size13 = self.lib.pd_panels_size(*w13.shape[1:])
+        size2 = self.lib.pd_panels_size(*w2.shape[1:])
         num_slots = w13.shape[0]
         copies = (
             torch.empty(num_slots, size13, dtype=w13.dtype),

@@ -16,12 +16,12 @@
  *
  * Layouts (prepared once at load time by the engine):
  *   linear weights   W [in, out] (nn.Linear's weight transposed: y[c] += x[i] * W[i, c]), in the
- *                    build's dense layout (`pd_pack`): fp32 as 16-column panels, bf16 row-major;
- *                    the fp32 build's routers too
+ *                    build's dense layout (`pd_dense_panels`): fp32 as 16-column panels
+ *                    (`pd_pack`), bf16 row-major; the fp32 build's routers too
  *   w_uk [H, N, L], w_uv [H, L, V]   (kv_b_proj split per head, as the torch path's bmm uses)
  *   kv_b [L, H (N + V)]               (kv_b_proj whole, a linear weight: the prefill's expansion)
  *   w13 [P, D, 2I], w2 [P, I, D]      (the experts' row tables: gate|up, then down), each slot
- *                                     in the build's dense layout
+ *                                     in panels (`pd_pack`)
  *   kv cache [num_blocks, block_size, L + R]; rope tables [max_pos, R] as (cos, cos), (-sin, sin)
  *
  * Legend: T tokens, D hidden, H heads, N nope dim, R rope dim, L kv_lora_rank, V v dim,
@@ -114,19 +114,21 @@ static inline v8 load8(const float *p) { return *(const v8 *)p; }
 static inline float load1(const float *p) { return *p; }
 #endif
 
-/* Register tiles: Y[t, :16] = X[t, :k] @ P for NT tokens, P [k, 16] a packed fp32 panel of W
- * (matmul_panels): each row of P is loaded once for all NT tokens, the NT x 16 sums stay in
+/* Register tiles: Y[t, :16] = X[t, :k] @ P for NT tokens, P [k, 16] a packed panel of W (fp32:
+ * tile_NT, matmul_panels' and the fp32 build's; or of wt: wtile_NT, the bf16 build's experts',
+ * widened as loaded): each row of P is loaded once for all NT tokens, the NT x 16 sums stay in
  * registers over all k rows and Y is written once. Every `every` rows the tile fetches one line,
  * `fetch` (NULL: none) then `fetch_step` bytes on: memory work spread over the sums. */
-#define TILE(NT)                                                                                 \
-    static inline void tile_##NT(const float *X, int64_t ldx, const float *P, float *Y,          \
-                                 int64_t ldy, int64_t k, const char *fetch, int64_t fetch_step,  \
-                                 int64_t every) {                                                \
+static inline v8 loadf8(const float *p) { return *(const v8 *)p; }
+#define TILE(NAME, PT, LOAD, NT)                                                                 \
+    static inline void NAME##_##NT(const float *X, int64_t ldx, const PT *P, float *Y,           \
+                                   int64_t ldy, int64_t k, const char *fetch,                    \
+                                   int64_t fetch_step, int64_t every) {                          \
         v8 acc[NT][2] = {{{0}}};                                                                 \
         for (int64_t i0 = 0; i0 < k; i0 += every, fetch = fetch ? fetch + fetch_step : NULL) {  \
             if (fetch) __builtin_prefetch(fetch);                                                \
             for (int64_t i = i0; i < MIN(k, i0 + every); i++) {                                  \
-                const v8 lo = *(const v8 *)(P + 16 * i), hi = *(const v8 *)(P + 16 * i + 8);     \
+                const v8 lo = LOAD(P + 16 * i), hi = LOAD(P + 16 * i + 8);                       \
                 _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                           \
                     const float xv = X[t * ldx + i];                                             \
                     acc[t][0] += xv * lo, acc[t][1] += xv * hi;                                  \
@@ -136,12 +138,23 @@ static inline float load1(const float *p) { return *p; }
         _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                                     \
             *(v8 *)(Y + t * ldy) = acc[t][0], *(v8 *)(Y + t * ldy + 8) = acc[t][1];              \
     }
-TILE(6)
-TILE(5)
-TILE(4)
-TILE(3)
-TILE(2)
-TILE(1)
+#define TILES(NAME, PT, LOAD)                                                                    \
+    TILE(NAME, PT, LOAD, 6)                                                                      \
+    TILE(NAME, PT, LOAD, 5)                                                                      \
+    TILE(NAME, PT, LOAD, 4)                                                                      \
+    TILE(NAME, PT, LOAD, 3)                                                                      \
+    TILE(NAME, PT, LOAD, 2)                                                                      \
+    TILE(NAME, PT, LOAD, 1)                                                                      \
+    typedef void NAME##_fn(const float *, int64_t, const PT *, float *, int64_t, int64_t,        \
+                           const char *, int64_t, int64_t);                                      \
+    static NAME##_fn *const NAME##_for[7] = {0,        NAME##_1, NAME##_2, NAME##_3,             \
+                                             NAME##_4, NAME##_5, NAME##_6};
+TILES(tile, float, loadf8)
+#ifdef PD_BF16
+TILES(wtile, wt, load8)
+#else
+#define wtile_for tile_for /* wt is float */
+#endif
 
 /* Columns [c0, c1) of rows [0, T) without a register tile (the ragged edge). */
 static void matmul_edge(const float *X, int64_t ldx, const wt *W, int64_t ldw, float *Y,
@@ -157,8 +170,6 @@ static void matmul_edge(const float *X, int64_t ldx, const wt *W, int64_t ldw, f
     }
 }
 
-typedef void tile_fn(const float *, int64_t, const float *, float *, int64_t, int64_t,
-                     const char *, int64_t, int64_t);
 
 /* Start loading x[:n] into the cache. */
 static inline void fetch(const kt *x, int64_t n) {
@@ -226,7 +237,6 @@ static void stream_rows(const float *X, int64_t ldx, const wt *W, int64_t ldw, f
 }
 
 enum { TOKEN_BLOCK = 96 }; /* tokens whose inputs stay in L2 while W's column panels pass */
-static tile_fn *const strip_tiles[7] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
 
 /* matmul_cols for more than STREAM_MAX_T tokens: W's 16-column panels one after another, each
  * packed into a contiguous fp32 block, then swept by 6-token x 16-column register tiles (tile_NT)
@@ -274,7 +284,7 @@ static void matmul_panels(const float *X, int64_t ldx, const wt *W, int64_t ldw,
             const int fetch_next = t0 == 0 && group == 1 && c + 16 < c16; /* of the next panel */
             for (int64_t g = 0; g < np; g++)
                 for (int64_t t = t0, j = 0; t < t1; t += 6, j++)
-                    strip_tiles[MIN(6, t1 - t)](
+                    tile_for[MIN(6, t1 - t)](
                         X + t * ldx, ldx, panel + 16 * g * k, Y + t * ldy + c + 16 * g, ldy, k,
                         fetch_next ? (const char *)(W + j * ldw + c + 16) : NULL,
                         tiles * ldw * (int64_t)sizeof(wt), fetch_next ? tiles : k);
@@ -284,13 +294,13 @@ static void matmul_panels(const float *X, int64_t ldx, const wt *W, int64_t ldw,
     if (panel != on_stack) free(panel);
 }
 
-#ifndef PD_BF16
-/* ---- the fp32 build's dense weights: 16-column panels, packed once at load (pd_pack) -------- *
+/* ---- panels: weights packed once at load (pd_pack) ---------------------------------------- *
  * W [k, n] as ceil(n / 16) panels one after another, each its k rows of 16 columns ([n16 / 16][k]
- * [16], the last zero-padded): what matmul_panels packs for its register tiles on every call,
+ * [16] of wt, the last zero-padded): what matmul_panels packs for its register tiles on every call,
  * made once. A thread's share of columns is then one sequential stream, no call packs, and few
  * tokens sweep it as many do (each column one chain of sums in row order, whatever T), the tiles
- * fetching the next panel as matmul_panels' do.
+ * fetching the next panel as matmul_panels' do. The routed experts' slots are stored so in both
+ * builds, the other dense weights in the fp32 build (the bf16 build's dot products read rows).
  * Measured on `small` (fp32, 2 threads, forward ms, 3 alternating runs, against stream_rows for
  * up to 8 tokens and matmul_panels above): one decode at context 320 6.7-7.2 -> 4.9-5.3; 32
  * decodes 39.6-42.5 -> 37.2-39.2 (the attention and MLP products 15-25% faster); a prefill of 8
@@ -298,29 +308,32 @@ static void matmul_panels(const float *X, int64_t ldx, const wt *W, int64_t ldw,
  * The routed experts' slots too, against stream_rows and matmul_panels (the same runs after the
  * above): 32 decodes 36.2-38.5 -> 31.8-33.7, one decode 4.4-4.7 -> 3.8-4.0, the prefill 726-784
  * -> 659-739; alone (cold, 704 experts, 2 threads), 2-4 tokens read them at 26-29 GB/s where
- * streaming their rows read 18-22. */
+ * streaming their rows read 18-22. The bf16 build's experts (3 alternating runs): 32 decodes
+ * 27.2-27.9 -> 23.3-25.3, one decode 3.9-4.3 -> 4.0-4.5 (within the noise of these runs). */
 enum { PANEL = 16 };
 
-static void pack_panels(const float *W, int64_t k, int64_t n, float *P) {
+static inline int64_t panels_elems(int64_t k, int64_t n) { return (n + PANEL - 1) / PANEL * PANEL * k; }
+
+static void pack_panels(const wt *W, int64_t k, int64_t n, wt *P) {
     for (int64_t c = 0; c < n; c += PANEL)
         for (int64_t i = 0; i < k; i++) {
-            float *to = P + (c / PANEL * k + i) * PANEL;
+            wt *to = P + (c / PANEL * k + i) * PANEL;
             const int64_t w = MIN(PANEL, n - c);
-            memcpy(to, W + i * n + c, sizeof(float) * w);
-            memset(to + w, 0, sizeof(float) * (PANEL - w));
+            memcpy(to, W + i * n + c, sizeof(wt) * w);
+            memset(to + w, 0, sizeof(wt) * (PANEL - w));
         }
 }
 
 /* One token's columns [c, c + 16 NP) from NP panels side by side: NP chains of sums per lane
  * where one panel alone would wait on each sum's latency. */
-static inline __attribute__((always_inline)) void panel_row(const float *x, const float *P,
-                                                            int64_t k, float *y, const int NP) {
+static inline __attribute__((always_inline)) void panel_row(const float *x, const wt *P, int64_t k,
+                                                            float *y, const int NP) {
     v8 acc[4][2] = {{{0}}};
     for (int64_t i = 0; i < k; i++) {
         const float xv = x[i];
         _Pragma("GCC unroll 4") for (int g = 0; g < NP; g++) {
-            const float *p = P + (g * k + i) * PANEL;
-            acc[g][0] += xv * *(const v8 *)p, acc[g][1] += xv * *(const v8 *)(p + 8);
+            const wt *p = P + (g * k + i) * PANEL;
+            acc[g][0] += xv * load8(p), acc[g][1] += xv * load8(p + 8);
         }
     }
     _Pragma("GCC unroll 4") for (int g = 0; g < NP; g++)
@@ -330,7 +343,7 @@ static inline __attribute__((always_inline)) void panel_row(const float *x, cons
 /* Y[t, c0:c1] = X[t, :k] @ W[:k, c0:c1] for t < T (single-threaded), W packed by pack_panels
  * (P), c0 a multiple of 16: each panel swept by the register tiles over a block of tokens, one
  * token by panel_row, 4 panels at a time. */
-static void panel_cols(const float *X, int64_t ldx, const float *P, int64_t k, float *Y,
+static void panel_cols(const float *X, int64_t ldx, const wt *P, int64_t k, float *Y,
                        int64_t ldy, int64_t T, int64_t c0, int64_t c1) {
     float edge[TOKEN_BLOCK * PANEL]; /* the last panel's sums where it is cut */
     int64_t c = c0;
@@ -344,16 +357,15 @@ static void panel_cols(const float *X, int64_t ldx, const float *P, int64_t k, f
             float *y = whole ? Y + t0 * ldy + cc : edge;
             const int64_t ld = whole ? ldy : PANEL;
             for (int64_t t = t0, j = 0; t < t1; t += 6, j++)
-                strip_tiles[MIN(6, t1 - t)](
+                wtile_for[MIN(6, t1 - t)](
                     X + t * ldx, ldx, P + cc * k, y + (t - t0) * ld, ld, k,
                     fetch_next ? (const char *)(P + (cc + PANEL) * k + j * PANEL) : NULL,
-                    tiles * PANEL * (int64_t)sizeof(float), fetch_next ? tiles : k);
+                    tiles * PANEL * (int64_t)sizeof(wt), fetch_next ? tiles : k);
             for (int64_t t = t0; !whole && t < t1; t++)
                 memcpy(Y + t * ldy + cc, edge + (t - t0) * PANEL, sizeof(float) * (c1 - cc));
         }
     }
 }
-#endif
 
 #if defined(PD_BF16) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define PD_DP 1
@@ -364,8 +376,8 @@ static void panel_cols(const float *X, int64_t ldx, const float *P, int64_t k, f
  * DP_STREAM_T tokens, dot_rows for more), so a row's result does not depend on the rows beside
  * it. X is rounded to bf16 (nearest even) once per call, as a bf16 GEMM's input is; the sums stay
  * fp32. The attention projections, the dense and shared MLPs and the heads take it (`matmul_cols`);
- * the routed experts keep the widening kernels (`widened_cols`), each product kind one arithmetic
- * for every batch.
+ * the routed experts read panels (`panel_cols`), each product kind one arithmetic for every
+ * batch.
  * Measured on `small` (a 2-core Zen 4 VM, bf16, 2 threads, forward ms, 3 alternating runs): 32
  * decodes at context 320 28.7-31.8 -> 24.5-27.3, one decode 4.75-5.10 -> 4.57-4.60. The products
  * alone (cold W, us): 32 tokens, 512 x 256, 120 -> 73, 512 x 1536 796 -> 517; warm, 1-4 tokens,
@@ -531,10 +543,11 @@ static void dot_rows(const uint16_t *xb, int64_t kp, const uint16_t *W, int64_t 
 }
 #endif
 
-/* Y[t, c0:c1] = X[t, :k] @ W[:k, c0:c1] for t < T (single-threaded), W's elements widened to
- * fp32: up to STREAM_MAX_T tokens stream W's rows (stream_rows), more go by panels
- * (matmul_panels). The routed experts' products in the bf16 build. */
-static void widened_cols(const float *X, int64_t ldx, const wt *W, int64_t ldw, float *Y,
+/* Y[t, c0:c1] = X[t, :k] @ W[:k, c0:c1] for t < T (single-threaded), W [k, n] row-major, its
+ * elements widened to fp32: up to STREAM_MAX_T tokens stream W's rows (stream_rows), more go by
+ * panels packed per call (matmul_panels). The heads' absorbed slices, and the bf16 build's dense
+ * weights on a CPU without bf16 dot products (a build with them has no use for it). */
+static __attribute__((unused)) void widened_cols(const float *X, int64_t ldx, const wt *W, int64_t ldw, float *Y,
                          int64_t ldy, int64_t T, int64_t k, int64_t c0, int64_t c1) {
     if (T <= STREAM_MAX_T)
         stream_rows(X, ldx, W, ldw, Y, ldy, T, k, c0, c1);
@@ -562,28 +575,8 @@ static void matmul_cols(const float *X, int64_t ldx, const wt *W, int64_t ldw, f
 #endif
 }
 
-/* Elements of a weight [k, n] in the build's dense layout (pd_pack) */
-static inline int64_t dense_elems(int64_t k, int64_t n) {
-#ifdef PD_BF16
-    return k * n;
-#else
-    return (n + PANEL - 1) / PANEL * PANEL * k;
-#endif
-}
-
-/* Y [T, n] = X [T, k] @ W [k, n], one routed expert's product (single-threaded), W in the build's
- * dense layout: the fp32 build's panels, the bf16 build's rows widened (widened_cols). */
-static void expert_cols(const float *X, int64_t ldx, const wt *W, int64_t k, int64_t n, float *Y,
-                        int64_t ldy, int64_t T) {
-#ifdef PD_BF16
-    widened_cols(X, ldx, W, n, Y, ldy, T, k, 0, n);
-#else
-    panel_cols(X, ldx, W, k, Y, ldy, T, 0, n);
-#endif
-}
-
 /* Y[t, c0:c1] = X[t, :k] @ W[:k, c0:c1] for a dense weight W [k, n] in the build's layout
- * (pd_pack), c0 a multiple of 16. */
+ * (pd_dense_panels), c0 a multiple of 16. */
 static void dense_cols(const float *X, int64_t ldx, const wt *W, int64_t n, float *Y,
                        int64_t ldy, int64_t T, int64_t k, int64_t c0, int64_t c1) {
 #ifdef PD_BF16
@@ -1353,11 +1346,11 @@ static void moe(const pd_dims *d, const pd_layer *l, const float *h, float *x, i
             float *gate_up = rows + T * D, *hidden = gate_up + T * 2 * I, *out = hidden + T * I;
             for (int64_t r = 0; r < n; r++)
                 memcpy(rows + r * D, h + (order[start[p] + r] / K) * D, D * sizeof(float));
-            expert_cols(rows, D, l->w13 + p * dense_elems(D, 2 * I), D, 2 * I, gate_up, 2 * I, n);
+            panel_cols(rows, D, l->w13 + p * panels_elems(D, 2 * I), D, gate_up, 2 * I, n, 0, 2 * I);
             for (int64_t r = 0; r < n; r++)
                 for (int64_t i = 0; i < I; i++)
                     hidden[r * I + i] = silu(gate_up[r * 2 * I + i]) * gate_up[r * 2 * I + I + i];
-            expert_cols(hidden, I, l->w2 + p * dense_elems(I, D), I, D, out, D, n);
+            panel_cols(hidden, I, l->w2 + p * panels_elems(I, D), I, out, D, n, 0, D);
             for (int64_t r = 0; r < n; r++)
                 memcpy(pair_out + order[start[p] + r] * D, out + r * D, D * sizeof(float));
         }
@@ -1449,22 +1442,19 @@ int pd_matmul(const float *X, const float *X2, const wt *W, float *Y, int64_t T,
     return 0;
 }
 
-/* Elements of W [k, n] in the build's dense layout (the fp32 build's panels), or 0 where the build
- * reads W as it is (bf16: row-major). */
-int64_t pd_packed_size(int64_t k, int64_t n) {
+/* Whether the build's dense products (every linear weight but the experts') read W [k, n] in
+ * panels (pd_pack): 1 in the fp32 build, 0 in the bf16 build (its dot products read rows). */
+int pd_dense_panels(void) {
 #ifdef PD_BF16
-    (void)k, (void)n;
     return 0;
 #else
-    return dense_elems(k, n);
+    return 1;
 #endif
 }
 
-/* out [pd_packed_size(k, n)] = W [k, n] in the build's dense layout (nothing where it is 0). */
-void pd_pack(const wt *W, int64_t k, int64_t n, wt *out) {
-#ifdef PD_BF16
-    (void)W, (void)k, (void)n, (void)out;
-#else
-    pack_panels(W, k, n, out);
-#endif
-}
+/* Elements of W [k, n] in panels. */
+int64_t pd_panels_size(int64_t k, int64_t n) { return panels_elems(k, n); }
+
+/* out [pd_panels_size(k, n)] = W [k, n] in panels (the experts' slots in every build, the dense
+ * weights where pd_dense_panels). */
+void pd_pack(const wt *W, int64_t k, int64_t n, wt *out) { pack_panels(W, k, n, out); }
