@@ -6,8 +6,8 @@ the paged latent cache, routing, experts, shared experts) with no Python in betw
 tensors and the weights go in as pointers, threads by OpenMP (the runtime torch already loaded, so
 the two share one thread pool). Two builds of the one source: fp32 weights and KV cache, or bf16
 weights and KV cache (`-DPD_BF16`); activations and sums are fp32 in both, except that a bf16
-build on a CPU with AVX512-BF16 rounds the inputs of its products other than the routed experts'
-to bf16 for native dot products (fp32 sums).
+build on a CPU with AVX512-BF16 rounds the inputs of its products to bf16 for native dot products
+(fp32 sums).
 
 The library is compiled on first use with the system C compiler (`$CC`, else `cc`; -O3
 -march=native -fopenmp) into a cache folder (`$PDMESH_KERNEL_CACHE`, else
@@ -16,8 +16,9 @@ compiler `library()` returns None and the engine keeps its torch path; `PDMESH_C
 the C path off.
 
 Weights go in the layouts the products read fastest, made once at load: each routed expert's w13
-and w2 as 16-column panels (`pack_into`) in both builds; the linear weights (and the routers) as
-panels in the fp32 build, as they are in the bf16 build, whose dot products read rows (`pack`).
+and w2 as 16-column panels (`pack_into`; of row pairs where the build has dot products) in both
+builds; the linear weights (and the routers) as panels in the fp32 build, as they are in the bf16
+build, whose dot products read rows (`pack`).
 
 The ctypes mirrors `Dims` and `Layer` must match `pd_dims` and `pd_layer` in `cpu/layers.c` field
 for field.

@@ -10,9 +10,9 @@
  * Built with -DPD_BF16 the projection and expert weights and the KV cache are bf16 (read and
  * widened to fp32 in registers, cache entries rounded to nearest even when written), everything
  * else stays fp32: activations, sums, norms, biases, the router. Half the bytes per step, the
- * same formulas. On a CPU with AVX512-BF16 the products other than the routed experts' take native
- * bf16 dot products instead, their inputs rounded to bf16 (PD_DP, at `round_rows`), and so do the
- * absorbed attention's scores and sums (the queries and probabilities rounded to bf16).
+ * same formulas. On a CPU with AVX512-BF16 the products take native bf16 dot products instead,
+ * their inputs rounded to bf16 (PD_DP, at `round_rows`), and so do the absorbed attention's scores
+ * and sums (the queries and probabilities rounded to bf16).
  *
  * Layouts (prepared once at load time by the engine):
  *   linear weights   W [in, out] (nn.Linear's weight transposed: y[c] += x[i] * W[i, c]), in the
@@ -46,6 +46,9 @@ typedef uint16_t wt;
 typedef float wt;
 #endif
 typedef wt kt;
+#if defined(PD_BF16) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define PD_DP 1 /* native bf16 dot products (see round_rows) */
+#endif
 
 typedef struct {
     const float *input_norm, *post_norm;
@@ -150,10 +153,10 @@ static inline v8 loadf8(const float *p) { return *(const v8 *)p; }
     static NAME##_fn *const NAME##_for[7] = {0,        NAME##_1, NAME##_2, NAME##_3,             \
                                              NAME##_4, NAME##_5, NAME##_6};
 TILES(tile, float, loadf8)
-#ifdef PD_BF16
-TILES(wtile, wt, load8)
-#else
+#ifndef PD_BF16
 #define wtile_for tile_for /* wt is float */
+#elif !defined(PD_DP)
+TILES(wtile, wt, load8)
 #endif
 
 /* Columns [c0, c1) of rows [0, T) without a register tile (the ragged edge). */
@@ -294,6 +297,8 @@ static void matmul_panels(const float *X, int64_t ldx, const wt *W, int64_t ldw,
     if (panel != on_stack) free(panel);
 }
 
+enum { PANEL = 16 }; /* columns a panel */
+#ifndef PD_DP /* (a build with bf16 dot products has panels of row pairs: see pair_tile) */
 /* ---- panels: weights packed once at load (pd_pack) ---------------------------------------- *
  * W [k, n] as ceil(n / 16) panels one after another, each its k rows of 16 columns ([n16 / 16][k]
  * [16] of wt, the last zero-padded): what matmul_panels packs for its register tiles on every call,
@@ -310,8 +315,6 @@ static void matmul_panels(const float *X, int64_t ldx, const wt *W, int64_t ldw,
  * -> 659-739; alone (cold, 704 experts, 2 threads), 2-4 tokens read them at 26-29 GB/s where
  * streaming their rows read 18-22. The bf16 build's experts (3 alternating runs): 32 decodes
  * 27.2-27.9 -> 23.3-25.3, one decode 3.9-4.3 -> 4.0-4.5 (within the noise of these runs). */
-enum { PANEL = 16 };
-
 static inline int64_t panels_elems(int64_t k, int64_t n) { return (n + PANEL - 1) / PANEL * PANEL * k; }
 
 static void pack_panels(const wt *W, int64_t k, int64_t n, wt *P) {
@@ -366,25 +369,25 @@ static void panel_cols(const float *X, int64_t ldx, const wt *P, int64_t k, floa
         }
     }
 }
+#endif
 
-#if defined(PD_BF16) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define PD_DP 1
+#ifdef PD_DP
 /* ---- native bf16 dot products (AVX512-BF16): Y = X @ W with X rounded to bf16 ------------ *
  * vdpbf16ps adds a pair of bf16 products into each fp32 lane: lane c gets W[i, c] x[i] +
  * W[i + 1, c] x[i + 1], the rows taken in pairs (a zero row after an odd k). Each output column is
  * that one chain of pairs in row order from zero whichever kernel sums it (dot_stream for up to
  * DP_STREAM_T tokens, dot_rows for more), so a row's result does not depend on the rows beside
  * it. X is rounded to bf16 (nearest even) once per call, as a bf16 GEMM's input is; the sums stay
- * fp32. The attention projections, the dense and shared MLPs and the heads take it (`matmul_cols`);
- * the routed experts read panels (`panel_cols`), each product kind one arithmetic for every
- * batch.
+ * fp32. The attention projections, the dense and shared MLPs and the heads take it (`matmul_cols`),
+ * and the routed experts from panels of row pairs (`panel_cols`, below), each product kind one
+ * arithmetic for every batch.
  * Measured on `small` (a 2-core Zen 4 VM, bf16, 2 threads, forward ms, 3 alternating runs): 32
  * decodes at context 320 28.7-31.8 -> 24.5-27.3, one decode 4.75-5.10 -> 4.57-4.60. The products
  * alone (cold W, us): 32 tokens, 512 x 256, 120 -> 73, 512 x 1536 796 -> 517; warm, 1-4 tokens,
- * 2.4-4.4x faster. The experts' products (cold, 1-4 tokens, 2 threads) read W 10-30% slower as
- * pairs of rows than the widening stream reads it row by row, and they are bound by that reading:
- * with dot products in the experts too, the whole step was no faster (28.9-30.8 against 26.9-29.8
- * ms). */
+ * 2.4-4.4x faster. Read in place, two rows a pair, the experts' weights (cold, 1-4 tokens) came
+ * 10-30% slower than the widening stream read them row by row, and with them the whole step was
+ * no faster (28.9-30.8 against 26.9-29.8 ms): they take dot products since their slots are packed
+ * into panels of pairs at load. */
 enum {
     DP_CHUNK = 32,     /* the columns one pair of rows fills: two registers of 16 lanes */
     DP_AHEAD = 8192,   /* bytes of W fetched ahead by dot_stream */
@@ -540,6 +543,100 @@ static void dot_rows(const uint16_t *xb, int64_t kp, const uint16_t *W, int64_t 
             }
         }
     }
+}
+
+/* Panels of row pairs (the routed experts' layout in this build, pd_pack): W [k, n] as
+ * ceil(n / 16) panels one after another, each its ceil(k / 2) pairs of rows i, i + 1 interleaved
+ * column by column ([n16 / 16][kp / 2][16][2], zero-padded), so one 64-byte load is a pair's 16
+ * columns in lane order for vdpbf16ps: the experts take the dot products too, in every batch.
+ * Measured on `small` (bf16, 2 threads, forward ms, 3 alternating runs) against panels of rows
+ * widened to fp32 (the fp32 build's kernels): a prefill of 8 x 256 tokens 551-677 -> 506-609; 32
+ * decodes (18.5-23.8 against 19.6-21.3) and one (3.8-4.2 against 3.7-4.2) within the noise, the
+ * experts being bound by reading their weights there. The hidden states' error against the fp32
+ * torch path (a random model, 3 sequences) max 0.0034 -> 0.0053, mean 0.00053 -> 0.00062. */
+static inline int64_t panels_elems(int64_t k, int64_t n) {
+    return (n + PANEL - 1) / PANEL * PANEL * ((k + 1) / 2 * 2);
+}
+
+static void pack_panels(const uint16_t *W, int64_t k, int64_t n, uint16_t *P) {
+    const int64_t kp = (k + 1) / 2 * 2;
+    for (int64_t c = 0; c < n; c += PANEL)
+        for (int64_t i = 0; i < kp; i++)
+            for (int64_t j = 0; j < PANEL; j++)
+                P[(c / PANEL * kp + i / 2 * 2) * PANEL + 2 * j + i % 2] =
+                    i < k && c + j < n ? W[i * n + c + j] : 0;
+}
+
+/* Y[t, :16 NP] = xb[t] @ NP pair panels side by side (P, `stride` apart) for NT tokens: NT x NP
+ * sums in registers over all row pairs. */
+static inline __attribute__((always_inline)) void pair_tile(const uint16_t *xb, int64_t kp,
+                                                            const uint16_t *P, int64_t stride,
+                                                            float *Y, int64_t ldy, const int NT,
+                                                            const int NP) {
+    __m512 acc[8][4];
+    _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)
+        _Pragma("GCC unroll 4") for (int g = 0; g < NP; g++) acc[t][g] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < kp; i += 2) {
+        __m512bh w[4];
+        _Pragma("GCC unroll 4") for (int g = 0; g < NP; g++)
+            w[g] = (__m512bh)_mm512_loadu_si512(P + g * stride + i * PANEL);
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {
+            const __m512bh x = x_pair(xb + t * kp, i);
+            _Pragma("GCC unroll 4") for (int g = 0; g < NP; g++)
+                acc[t][g] = _mm512_dpbf16_ps(acc[t][g], w[g], x);
+        }
+    }
+    _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)
+        _Pragma("GCC unroll 4") for (int g = 0; g < NP; g++)
+            _mm512_storeu_ps(Y + t * ldy + PANEL * g, acc[t][g]);
+}
+
+/* pair_tile for nt < 8 tokens and np (1, 2 or 4) panels, np * nt at most 16 */
+static void pair_tiles(const uint16_t *xb, int64_t kp, const uint16_t *P, int64_t stride,
+                       float *Y, int64_t ldy, int nt, int np) {
+#define PAIR_CASE(NT)                                                                            \
+    case NT:                                                                                     \
+        if (np == 4 && NT <= 4) pair_tile(xb, kp, P, stride, Y, ldy, NT, 4);                    \
+        else if (np >= 2) pair_tile(xb, kp, P, stride, Y, ldy, NT, 2);                           \
+        else pair_tile(xb, kp, P, stride, Y, ldy, NT, 1);                                        \
+        break;
+    switch (nt) {
+        PAIR_CASE(1) PAIR_CASE(2) PAIR_CASE(3) PAIR_CASE(4)
+        PAIR_CASE(5) PAIR_CASE(6) PAIR_CASE(7) PAIR_CASE(8)
+    }
+#undef PAIR_CASE
+}
+
+/* Y[t, c0:c1] = X[t, :k] @ W[:k, c0:c1] for t < T (single-threaded), W in pair panels (P), c0 a
+ * multiple of 16: X rounded to bf16 once, then tiles of up to 8 tokens x 2 panels (4 panels for
+ * up to 4 tokens), the last panel's sums through a buffer where it is cut. */
+static void panel_cols(const float *X, int64_t ldx, const uint16_t *P, int64_t k, float *Y,
+                       int64_t ldy, int64_t T, int64_t c0, int64_t c1) {
+    enum { X_ON_STACK = 8192 };
+    const int64_t kp = (k + 1) / 2 * 2, stride = kp * PANEL;
+    uint16_t on_stack[X_ON_STACK];
+    uint16_t *xb = T * kp <= X_ON_STACK ? on_stack : malloc(sizeof(uint16_t) * T * kp);
+    if (!xb) abort();
+    round_rows(X, ldx, T, k, kp, xb);
+    float edge[8 * PANEL];
+    const int64_t whole = c0 + (c1 - c0) / PANEL * PANEL;
+    for (int64_t t = 0; t < T; t += 8) {
+        const int nt = (int)MIN(8, T - t);
+        const int wide = nt <= 4 ? 4 : 2;
+        const uint16_t *x = xb + t * kp;
+        for (int64_t c = c0; c < c1;) {
+            if (c >= whole) { /* the cut panel */
+                pair_tiles(x, kp, P + c / PANEL * stride, stride, edge, PANEL, nt, 1);
+                for (int j = 0; j < nt; j++)
+                    memcpy(Y + (t + j) * ldy + c, edge + j * PANEL, sizeof(float) * (c1 - c));
+                break;
+            }
+            const int np = (whole - c) / PANEL >= wide ? wide : (whole - c) / PANEL >= 2 ? 2 : 1;
+            pair_tiles(x, kp, P + c / PANEL * stride, stride, Y + t * ldy + c, ldy, nt, np);
+            c += np * PANEL;
+        }
+    }
+    if (xb != on_stack) free(xb);
 }
 #endif
 
