@@ -275,11 +275,28 @@ def test_the_heads_match_torch_and_a_row_is_the_same_in_any_batch(rows: int) -> 
 
 
 @torch.inference_mode()
-def test_bf16_weights_and_cache_follow_the_fp32_path() -> None:
+def test_odd_expert_widths_are_packed_and_read_whole() -> None:
+    """Experts 9 wide: w13's 18 columns fill a panel and cut the next, w2's 9 rows end in half a
+    pair (the bf16 dot products' layout); 40 tokens of one sequence are a prefill chunk, so every
+    expert sees several tokens at once."""
+    model = _random_model(moe_intermediate_size=9)
+    config = model.config
+    caches = torch.zeros(config.num_hidden_layers, 40, BLOCK, config.kv_cache_dim)
+    lens = [5, 9]
+    _, blocks = _prefill(model, caches, lens, seed=2, room=48)
+    chunk = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(4))
+    batch = ForwardBatch.build([chunk.tolist(), [7]], lens, blocks, BLOCK, [True] * 2, "cpu")
+    _assert_agree(_both_paths(model, batch, caches))
+
+
+@pytest.mark.parametrize("expert_width", [16, 9])
+@torch.inference_mode()
+def test_bf16_weights_and_cache_follow_the_fp32_path(expert_width: int) -> None:
     """A bf16 model on the C path (bf16 weights and cache, fp32 arithmetic) against the torch path
-    in fp32 on the same weight values and the same context, rounded as the bf16 cache holds it."""
-    ref = _random_model(bf16_values=True)
-    model = _random_model(dtype=torch.bfloat16)
+    in fp32 on the same weight values and the same context, rounded as the bf16 cache holds it (9:
+    odd expert widths, as in the fp32 test above)."""
+    ref = _random_model(bf16_values=True, moe_intermediate_size=expert_width)
+    model = _random_model(dtype=torch.bfloat16, moe_intermediate_size=expert_width)
     path = model.cpu_layers
     assert path is not None and path.dtype == torch.bfloat16
     config = model.config
