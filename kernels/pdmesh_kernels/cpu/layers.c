@@ -118,10 +118,11 @@ static inline float load1(const float *p) { return *p; }
 #endif
 
 /* Register tiles: Y[t, :16] = X[t, :k] @ P for NT tokens, P [k, 16] a packed panel of W (fp32:
- * tile_NT, matmul_panels' and the fp32 build's; or of wt: wtile_NT, the bf16 build's experts',
- * widened as loaded): each row of P is loaded once for all NT tokens, the NT x 16 sums stay in
- * registers over all k rows and Y is written once. Every `every` rows the tile fetches one line,
- * `fetch` (NULL: none) then `fetch_step` bytes on: memory work spread over the sums. */
+ * tile_NT, matmul_panels' and the fp32 build's; or of wt: wtile_NT, the experts' of a bf16 build
+ * without dot products, widened as loaded): each row of P is loaded once for all NT tokens, the
+ * NT x 16 sums stay in registers over all k rows and Y is written once. Every `every` rows the
+ * tile fetches one line, `fetch` (NULL: none) then `fetch_step` bytes on: memory work spread over
+ * the sums. */
 static inline v8 loadf8(const float *p) { return *(const v8 *)p; }
 #define TILE(NAME, PT, LOAD, NT)                                                                 \
     static inline void NAME##_##NT(const float *X, int64_t ldx, const PT *P, float *Y,           \
@@ -172,7 +173,6 @@ static void matmul_edge(const float *X, int64_t ldx, const wt *W, int64_t ldw, f
         }
     }
 }
-
 
 /* Start loading x[:n] into the cache. */
 static inline void fetch(const kt *x, int64_t n) {
@@ -315,7 +315,9 @@ enum { PANEL = 16 }; /* columns a panel */
  * -> 659-739; alone (cold, 704 experts, 2 threads), 2-4 tokens read them at 26-29 GB/s where
  * streaming their rows read 18-22. The bf16 build's experts (3 alternating runs): 32 decodes
  * 27.2-27.9 -> 23.3-25.3, one decode 3.9-4.3 -> 4.0-4.5 (within the noise of these runs). */
-static inline int64_t panels_elems(int64_t k, int64_t n) { return (n + PANEL - 1) / PANEL * PANEL * k; }
+static inline int64_t panels_elems(int64_t k, int64_t n) {
+    return (n + PANEL - 1) / PANEL * PANEL * k;
+}
 
 static void pack_panels(const wt *W, int64_t k, int64_t n, wt *P) {
     for (int64_t c = 0; c < n; c += PANEL)
@@ -591,7 +593,7 @@ static inline __attribute__((always_inline)) void pair_tile(const uint16_t *xb, 
             _mm512_storeu_ps(Y + t * ldy + PANEL * g, acc[t][g]);
 }
 
-/* pair_tile for nt < 8 tokens and np (1, 2 or 4) panels, np * nt at most 16 */
+/* pair_tile for nt <= 8 tokens and np (1, 2 or 4) panels, np * nt at most 16 */
 static void pair_tiles(const uint16_t *xb, int64_t kp, const uint16_t *P, int64_t stride,
                        float *Y, int64_t ldy, int nt, int np) {
 #define PAIR_CASE(NT)                                                                            \
@@ -644,8 +646,9 @@ static void panel_cols(const float *X, int64_t ldx, const uint16_t *P, int64_t k
  * elements widened to fp32: up to STREAM_MAX_T tokens stream W's rows (stream_rows), more go by
  * panels packed per call (matmul_panels). The heads' absorbed slices, and the bf16 build's dense
  * weights on a CPU without bf16 dot products (a build with them has no use for it). */
-static __attribute__((unused)) void widened_cols(const float *X, int64_t ldx, const wt *W, int64_t ldw, float *Y,
-                         int64_t ldy, int64_t T, int64_t k, int64_t c0, int64_t c1) {
+static __attribute__((unused)) void widened_cols(const float *X, int64_t ldx, const wt *W,
+                                                 int64_t ldw, float *Y, int64_t ldy, int64_t T,
+                                                 int64_t k, int64_t c0, int64_t c1) {
     if (T <= STREAM_MAX_T)
         stream_rows(X, ldx, W, ldw, Y, ldy, T, k, c0, c1);
     else
@@ -1443,7 +1446,8 @@ static void moe(const pd_dims *d, const pd_layer *l, const float *h, float *x, i
             float *gate_up = rows + T * D, *hidden = gate_up + T * 2 * I, *out = hidden + T * I;
             for (int64_t r = 0; r < n; r++)
                 memcpy(rows + r * D, h + (order[start[p] + r] / K) * D, D * sizeof(float));
-            panel_cols(rows, D, l->w13 + p * panels_elems(D, 2 * I), D, gate_up, 2 * I, n, 0, 2 * I);
+            panel_cols(rows, D, l->w13 + p * panels_elems(D, 2 * I), D, gate_up, 2 * I, n, 0,
+                       2 * I);
             for (int64_t r = 0; r < n; r++)
                 for (int64_t i = 0; i < I; i++)
                     hidden[r * I + i] = silu(gate_up[r * 2 * I + i]) * gate_up[r * 2 * I + I + i];
