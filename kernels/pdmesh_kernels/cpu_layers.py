@@ -15,10 +15,10 @@ The library is compiled on first use with the system C compiler (`$CC`, else `cc
 compiler `library()` returns None and the engine keeps its torch path; `PDMESH_CPU_LAYERS=0` turns
 the C path off.
 
-Weights go in the layouts the products read fastest, made once at load: each routed expert's w13
-and w2 as 16-column panels (`pack_into`; of row pairs where the build has dot products) in both
-builds; the linear weights (and the routers) as panels in the fp32 build, as they are in the bf16
-build, whose dot products read rows (`pack`).
+Weights go in the layouts the products read fastest, made once at load: the linear weights and
+each routed expert's w13 and w2 as 16-column panels (`pack`, `pack_into`; of row pairs where the
+build has dot products), in both builds; the routers too in the fp32 build (the bf16 build keeps
+them fp32 and reads them as they are).
 
 The ctypes mirrors `Dims` and `Layer` must match `pd_dims` and `pd_layer` in `cpu/layers.c` field
 for field.
@@ -186,8 +186,6 @@ def _library(dtype: torch.dtype) -> ctypes.CDLL | None:
         ctypes.POINTER(Dims), ctypes.POINTER(Layer), ctypes.c_int64, _f32, ctypes.c_int64,
         _i64, _i64, _i64, _i32, ctypes.c_int64, _f32, _f32, _w, ctypes.c_int64, _i64, _f32,
     ]  # fmt: skip
-    lib.pd_dense_panels.restype = ctypes.c_int
-    lib.pd_dense_panels.argtypes = []
     lib.pd_panels_size.restype = ctypes.c_int64
     lib.pd_panels_size.argtypes = [ctypes.c_int64, ctypes.c_int64]
     lib.pd_pack.restype = None
@@ -217,10 +215,11 @@ class Packed:
 
 
 def pack(lib: ctypes.CDLL, w: torch.Tensor) -> Packed:
-    """A linear weight w [k, n] ([in, out], contiguous) in the build's dense layout: packed into
-    panels (a copy, the fp32 build), or w itself (the bf16 build, and its fp32 routers)."""
+    """A linear weight w [k, n] ([in, out], contiguous) packed into the build's panels (a copy,
+    `pd_pack`), or w itself where it is not of the build's dtype (the bf16 build's fp32 routers,
+    which it reads row-major)."""
     k, n = w.shape
-    if not lib.pd_dense_panels():
+    if w.dtype != lib.dtype:
         return Packed(w, k, n)
     out = torch.empty(lib.pd_panels_size(k, n), dtype=w.dtype)
     pack_into(lib, w, out)

@@ -15,9 +15,9 @@
  * and sums (the queries and probabilities rounded to bf16).
  *
  * Layouts (prepared once at load time by the engine):
- *   linear weights   W [in, out] (nn.Linear's weight transposed: y[c] += x[i] * W[i, c]), in the
- *                    build's dense layout (`pd_dense_panels`): fp32 as 16-column panels
- *                    (`pd_pack`), bf16 row-major; the fp32 build's routers too
+ *   linear weights   W [in, out] (nn.Linear's weight transposed: y[c] += x[i] * W[i, c]) in
+ *                    panels (`pd_pack`: of 16 columns, of row pairs in a PD_DP build); the fp32
+ *                    build's routers too (the bf16 build's fp32 routers are read row-major)
  *   w_uk [H, N, L], w_uv [H, L, V]   (kv_b_proj split per head, as the torch path's bmm uses)
  *   kv_b [L, H (N + V)]               (kv_b_proj whole, a linear weight: the prefill's expansion)
  *   w13 [P, D, 2I], w2 [P, I, D]      (the experts' row tables: gate|up, then down), each slot
@@ -304,8 +304,8 @@ enum { PANEL = 16 }; /* columns a panel */
  * [16] of wt, the last zero-padded): what matmul_panels packs for its register tiles on every call,
  * made once. A thread's share of columns is then one sequential stream, no call packs, and few
  * tokens sweep it as many do (each column one chain of sums in row order, whatever T), the tiles
- * fetching the next panel as matmul_panels' do. The routed experts' slots are stored so in both
- * builds, the other dense weights in the fp32 build (the bf16 build's dot products read rows).
+ * fetching the next panel as matmul_panels' do. Every linear weight and expert slot is stored so
+ * (in a build with bf16 dot products, as panels of row pairs: see pair_tile).
  * Measured on `small` (fp32, 2 threads, forward ms, 3 alternating runs, against stream_rows for
  * up to 8 tokens and matmul_panels above): one decode at context 320 6.7-7.2 -> 4.9-5.3; 32
  * decodes 39.6-42.5 -> 37.2-39.2 (the attention and MLP products 15-25% faster); a prefill of 8
@@ -380,9 +380,9 @@ static void panel_cols(const float *X, int64_t ldx, const wt *P, int64_t k, floa
  * that one chain of pairs in row order from zero whichever kernel sums it (dot_stream for up to
  * DP_STREAM_T tokens, dot_rows for more), so a row's result does not depend on the rows beside
  * it. X is rounded to bf16 (nearest even) once per call, as a bf16 GEMM's input is; the sums stay
- * fp32. The attention projections, the dense and shared MLPs and the heads take it (`matmul_cols`),
- * and the routed experts from panels of row pairs (`panel_cols`, below), each product kind one
- * arithmetic for every batch.
+ * fp32. The linear weights and the routed experts take them from panels of row pairs packed at
+ * load (`panel_cols`, below), the heads' absorbed slices from rows (`matmul_cols`), each product
+ * kind one arithmetic for every batch.
  * Measured on `small` (a 2-core Zen 4 VM, bf16, 2 threads, forward ms, 3 alternating runs): 32
  * decodes at context 320 28.7-31.8 -> 24.5-27.3, one decode 4.75-5.10 -> 4.57-4.60. The products
  * alone (cold W, us): 32 tokens, 512 x 256, 120 -> 73, 512 x 1536 796 -> 517; warm, 1-4 tokens,
@@ -555,7 +555,11 @@ static void dot_rows(const uint16_t *xb, int64_t kp, const uint16_t *W, int64_t 
  * widened to fp32 (the fp32 build's kernels): a prefill of 8 x 256 tokens 551-677 -> 506-609; 32
  * decodes (18.5-23.8 against 19.6-21.3) and one (3.8-4.2 against 3.7-4.2) within the noise, the
  * experts being bound by reading their weights there. The hidden states' error against the fp32
- * torch path (a random model, 3 sequences) max 0.0034 -> 0.0053, mean 0.00053 -> 0.00062. */
+ * torch path (a random model, 3 sequences) max 0.0034 -> 0.0053, mean 0.00053 -> 0.00062.
+ * The linear weights too, against dot_stream / dot_rows over their rows (3 alternating runs):
+ * one decode 3.41-3.72 -> 2.52-2.92 ms, 32 decodes at context 320 20.2-22.4 -> 19.1-20.1 (the
+ * attention projections and the dense MLP 25-45% faster, the lm head ~1.3 ms), a prefill of 8 x
+ * 256 tokens 536-583 -> 524-557. */
 static inline int64_t panels_elems(int64_t k, int64_t n) {
     return (n + PANEL - 1) / PANEL * PANEL * ((k + 1) / 2 * 2);
 }
@@ -598,7 +602,7 @@ static void pair_tiles(const uint16_t *xb, int64_t kp, const uint16_t *P, int64_
                        float *Y, int64_t ldy, int nt, int np) {
 #define PAIR_CASE(NT)                                                                            \
     case NT:                                                                                     \
-        if (np == 4 && NT <= 4) pair_tile(xb, kp, P, stride, Y, ldy, NT, 4);                    \
+        if (np == 4 && NT <= 4) pair_tile(xb, kp, P, stride, Y, ldy, NT, 4);                     \
         else if (np >= 2) pair_tile(xb, kp, P, stride, Y, ldy, NT, 2);                           \
         else pair_tile(xb, kp, P, stride, Y, ldy, NT, 1);                                        \
         break;
@@ -610,8 +614,10 @@ static void pair_tiles(const uint16_t *xb, int64_t kp, const uint16_t *P, int64_
 }
 
 /* Y[t, c0:c1] = X[t, :k] @ W[:k, c0:c1] for t < T (single-threaded), W in pair panels (P), c0 a
- * multiple of 16: X rounded to bf16 once, then tiles of up to 8 tokens x 2 panels (4 panels for
- * up to 4 tokens), the last panel's sums through a buffer where it is cut. */
+ * multiple of 16: X rounded to bf16 once, then block by block of TOKEN_BLOCK tokens (whose rounded
+ * rows stay in L2) each group of panels is swept by tiles of up to 8 tokens x 2 panels (4 panels
+ * for up to 4 tokens), so a group is read from memory once for the whole block; the last panel's
+ * sums go through a buffer where it is cut. */
 static void panel_cols(const float *X, int64_t ldx, const uint16_t *P, int64_t k, float *Y,
                        int64_t ldy, int64_t T, int64_t c0, int64_t c1) {
     enum { X_ON_STACK = 8192 };
@@ -622,19 +628,23 @@ static void panel_cols(const float *X, int64_t ldx, const uint16_t *P, int64_t k
     round_rows(X, ldx, T, k, kp, xb);
     float edge[8 * PANEL];
     const int64_t whole = c0 + (c1 - c0) / PANEL * PANEL;
-    for (int64_t t = 0; t < T; t += 8) {
-        const int nt = (int)MIN(8, T - t);
-        const int wide = nt <= 4 ? 4 : 2;
-        const uint16_t *x = xb + t * kp;
+    for (int64_t t0 = 0; t0 < T; t0 += TOKEN_BLOCK) {
+        const int64_t t1 = MIN(T, t0 + TOKEN_BLOCK);
+        const int wide = t1 - t0 <= 4 ? 4 : 2;
         for (int64_t c = c0; c < c1;) {
-            if (c >= whole) { /* the cut panel */
-                pair_tiles(x, kp, P + c / PANEL * stride, stride, edge, PANEL, nt, 1);
+            const int64_t left = (whole - c) / PANEL;
+            const int np = c >= whole ? 1 : left >= wide ? wide : left >= 2 ? 2 : 1;
+            const uint16_t *p = P + c / PANEL * stride;
+            for (int64_t t = t0; t < t1; t += 8) {
+                const int nt = (int)MIN(8, t1 - t);
+                if (c < whole) {
+                    pair_tiles(xb + t * kp, kp, p, stride, Y + t * ldy + c, ldy, nt, np);
+                    continue;
+                }
+                pair_tiles(xb + t * kp, kp, p, stride, edge, PANEL, nt, 1); /* the cut panel */
                 for (int j = 0; j < nt; j++)
                     memcpy(Y + (t + j) * ldy + c, edge + j * PANEL, sizeof(float) * (c1 - c));
-                break;
             }
-            const int np = (whole - c) / PANEL >= wide ? wide : (whole - c) / PANEL >= 2 ? 2 : 1;
-            pair_tiles(x, kp, P + c / PANEL * stride, stride, Y + t * ldy + c, ldy, nt, np);
             c += np * PANEL;
         }
     }
@@ -675,16 +685,12 @@ static void matmul_cols(const float *X, int64_t ldx, const wt *W, int64_t ldw, f
 #endif
 }
 
-/* Y[t, c0:c1] = X[t, :k] @ W[:k, c0:c1] for a dense weight W [k, n] in the build's layout
- * (pd_dense_panels), c0 a multiple of 16. */
+/* Y[t, c0:c1] = X[t, :k] @ W[:k, c0:c1] for a dense weight W [k, n] in the build's panels
+ * (pd_pack), c0 a multiple of 16. */
 static void dense_cols(const float *X, int64_t ldx, const wt *W, int64_t n, float *Y,
                        int64_t ldy, int64_t T, int64_t k, int64_t c0, int64_t c1) {
-#ifdef PD_BF16
-    matmul_cols(X, ldx, W, n, Y, ldy, T, k, c0, c1);
-#else
     (void)n;
     panel_cols(X, ldx, W, k, Y, ldy, T, c0, c1);
-#endif
 }
 
 /* One product of a `matmuls` call: Y [T, n] = X @ W [k, n] (a dense weight). */
@@ -1543,19 +1549,9 @@ int pd_matmul(const float *X, const float *X2, const wt *W, float *Y, int64_t T,
     return 0;
 }
 
-/* Whether the build's dense products (every linear weight but the experts') read W [k, n] in
- * panels (pd_pack): 1 in the fp32 build, 0 in the bf16 build (its dot products read rows). */
-int pd_dense_panels(void) {
-#ifdef PD_BF16
-    return 0;
-#else
-    return 1;
-#endif
-}
-
 /* Elements of W [k, n] in panels. */
 int64_t pd_panels_size(int64_t k, int64_t n) { return panels_elems(k, n); }
 
-/* out [pd_panels_size(k, n)] = W [k, n] in panels (the experts' slots in every build, the dense
- * weights where pd_dense_panels). */
+/* out [pd_panels_size(k, n)] = W [k, n] in the build's panels (the linear weights in the build's
+ * dtype, the experts' slots). */
 void pd_pack(const wt *W, int64_t k, int64_t n, wt *out) { pack_panels(W, k, n, out); }
