@@ -547,10 +547,11 @@ static void dot_rows(const uint16_t *xb, int64_t kp, const uint16_t *W, int64_t 
     }
 }
 
-/* Panels of row pairs (the routed experts' layout in this build, pd_pack): W [k, n] as
- * ceil(n / 16) panels one after another, each its ceil(k / 2) pairs of rows i, i + 1 interleaved
- * column by column ([n16 / 16][kp / 2][16][2], zero-padded), so one 64-byte load is a pair's 16
- * columns in lane order for vdpbf16ps: the experts take the dot products too, in every batch.
+/* Panels of row pairs (this build's layout of the linear weights and the experts, pd_pack): W
+ * [k, n] as groups of 4 panels of 16 columns, one group after another, each group its ceil(k / 2)
+ * pairs of rows i, i + 1 interleaved column by column ([n64 / 64][kp / 2][64][2], zero-padded), so
+ * one 64-byte load is a pair's 16 columns in lane order for vdpbf16ps, and a tile of 4 panels
+ * reads its group as one sequential stream: the experts take the dot products too, in every batch.
  * Measured on `small` (bf16, 2 threads, forward ms, 3 alternating runs) against panels of rows
  * widened to fp32 (the fp32 build's kernels): a prefill of 8 x 256 tokens 551-677 -> 506-609; 32
  * decodes (18.5-23.8 against 19.6-21.3) and one (3.8-4.2 against 3.7-4.2) within the noise, the
@@ -559,25 +560,34 @@ static void dot_rows(const uint16_t *xb, int64_t kp, const uint16_t *W, int64_t 
  * The linear weights too, against dot_stream / dot_rows over their rows (3 alternating runs):
  * one decode 3.41-3.72 -> 2.52-2.92 ms, 32 decodes at context 320 20.2-22.4 -> 19.1-20.1 (the
  * attention projections and the dense MLP 25-45% faster, the lm head ~1.3 ms), a prefill of 8 x
- * 256 tokens 536-583 -> 524-557. */
+ * 256 tokens 536-583 -> 524-557. Groups of 4 panels, against panels one after another (each
+ * tile's 4 panels then 4 streams, 16 KiB apart for the experts' w13): the experts of `small` alone
+ * (704 of them, 2-3 tokens each, cold, 2 threads) 9.0-9.7 -> 8.4-8.6 ms, 29-31 -> 32-33 GB/s,
+ * what a plain sequential read of the same bytes got in the same minutes (30-33). */
+enum { GROUP = 4 * PANEL }; /* columns a group of panels */
+
 static inline int64_t panels_elems(int64_t k, int64_t n) {
-    return (n + PANEL - 1) / PANEL * PANEL * ((k + 1) / 2 * 2);
+    return (n + GROUP - 1) / GROUP * GROUP * ((k + 1) / 2 * 2);
+}
+
+/* the first element of column c's panel (c a multiple of 16) in pair panels of kp rows */
+static inline int64_t panel_at(int64_t c, int64_t kp) {
+    return c / GROUP * GROUP * kp + c % GROUP * 2;
 }
 
 static void pack_panels(const uint16_t *W, int64_t k, int64_t n, uint16_t *P) {
     const int64_t kp = (k + 1) / 2 * 2;
-    for (int64_t c = 0; c < n; c += PANEL)
+    for (int64_t c = 0; c < (n + GROUP - 1) / GROUP * GROUP; c++)
         for (int64_t i = 0; i < kp; i++)
-            for (int64_t j = 0; j < PANEL; j++)
-                P[(c / PANEL * kp + i / 2 * 2) * PANEL + 2 * j + i % 2] =
-                    i < k && c + j < n ? W[i * n + c + j] : 0;
+            P[c / GROUP * GROUP * kp + i / 2 * 2 * GROUP + c % GROUP * 2 + i % 2] =
+                i < k && c < n ? W[i * n + c] : 0;
 }
 
-/* Y[t, :16 NP] = xb[t] @ NP pair panels side by side (P, `stride` apart) for NT tokens: NT x NP
- * sums in registers over all row pairs. */
+/* Y[t, :16 NP] = xb[t] @ NP pair panels side by side in one group (P the first one's first
+ * element) for NT tokens: NT x NP sums in registers over all row pairs. */
 static inline __attribute__((always_inline)) void pair_tile(const uint16_t *xb, int64_t kp,
-                                                            const uint16_t *P, int64_t stride,
-                                                            float *Y, int64_t ldy, const int NT,
+                                                            const uint16_t *P, float *Y,
+                                                            int64_t ldy, const int NT,
                                                             const int NP) {
     __m512 acc[8][4];
     _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)
@@ -585,7 +595,7 @@ static inline __attribute__((always_inline)) void pair_tile(const uint16_t *xb, 
     for (int64_t i = 0; i < kp; i += 2) {
         __m512bh w[4];
         _Pragma("GCC unroll 4") for (int g = 0; g < NP; g++)
-            w[g] = (__m512bh)_mm512_loadu_si512(P + g * stride + i * PANEL);
+            w[g] = (__m512bh)_mm512_loadu_si512(P + i * GROUP + g * 2 * PANEL);
         _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {
             const __m512bh x = x_pair(xb + t * kp, i);
             _Pragma("GCC unroll 4") for (int g = 0; g < NP; g++)
@@ -598,13 +608,13 @@ static inline __attribute__((always_inline)) void pair_tile(const uint16_t *xb, 
 }
 
 /* pair_tile for nt <= 8 tokens and np (1, 2 or 4) panels, np * nt at most 16 */
-static void pair_tiles(const uint16_t *xb, int64_t kp, const uint16_t *P, int64_t stride,
-                       float *Y, int64_t ldy, int nt, int np) {
+static void pair_tiles(const uint16_t *xb, int64_t kp, const uint16_t *P, float *Y, int64_t ldy,
+                       int nt, int np) {
 #define PAIR_CASE(NT)                                                                            \
     case NT:                                                                                     \
-        if (np == 4 && NT <= 4) pair_tile(xb, kp, P, stride, Y, ldy, NT, 4);                     \
-        else if (np >= 2) pair_tile(xb, kp, P, stride, Y, ldy, NT, 2);                           \
-        else pair_tile(xb, kp, P, stride, Y, ldy, NT, 1);                                        \
+        if (np == 4 && NT <= 4) pair_tile(xb, kp, P, Y, ldy, NT, 4);                     \
+        else if (np >= 2) pair_tile(xb, kp, P, Y, ldy, NT, 2);                           \
+        else pair_tile(xb, kp, P, Y, ldy, NT, 1);                                        \
         break;
     switch (nt) {
         PAIR_CASE(1) PAIR_CASE(2) PAIR_CASE(3) PAIR_CASE(4)
@@ -615,13 +625,13 @@ static void pair_tiles(const uint16_t *xb, int64_t kp, const uint16_t *P, int64_
 
 /* Y[t, c0:c1] = X[t, :k] @ W[:k, c0:c1] for t < T (single-threaded), W in pair panels (P), c0 a
  * multiple of 16: X rounded to bf16 once, then block by block of TOKEN_BLOCK tokens (whose rounded
- * rows stay in L2) each group of panels is swept by tiles of up to 8 tokens x 2 panels (4 panels
- * for up to 4 tokens), so a group is read from memory once for the whole block; the last panel's
- * sums go through a buffer where it is cut. */
+ * rows stay in L2) the panels are swept by tiles of up to 8 tokens x 2 panels (4 panels for up to
+ * 4 tokens; never across a group), so each is read from memory once for the whole block; the last
+ * panel's sums go through a buffer where it is cut. */
 static void panel_cols(const float *X, int64_t ldx, const uint16_t *P, int64_t k, float *Y,
                        int64_t ldy, int64_t T, int64_t c0, int64_t c1) {
     enum { X_ON_STACK = 8192 };
-    const int64_t kp = (k + 1) / 2 * 2, stride = kp * PANEL;
+    const int64_t kp = (k + 1) / 2 * 2;
     uint16_t on_stack[X_ON_STACK];
     uint16_t *xb = T * kp <= X_ON_STACK ? on_stack : malloc(sizeof(uint16_t) * T * kp);
     if (!xb) abort();
@@ -632,16 +642,16 @@ static void panel_cols(const float *X, int64_t ldx, const uint16_t *P, int64_t k
         const int64_t t1 = MIN(T, t0 + TOKEN_BLOCK);
         const int wide = t1 - t0 <= 4 ? 4 : 2;
         for (int64_t c = c0; c < c1;) {
-            const int64_t left = (whole - c) / PANEL;
+            const int64_t left = MIN(whole - c, GROUP - c % GROUP) / PANEL;
             const int np = c >= whole ? 1 : left >= wide ? wide : left >= 2 ? 2 : 1;
-            const uint16_t *p = P + c / PANEL * stride;
+            const uint16_t *p = P + panel_at(c, kp);
             for (int64_t t = t0; t < t1; t += 8) {
                 const int nt = (int)MIN(8, t1 - t);
                 if (c < whole) {
-                    pair_tiles(xb + t * kp, kp, p, stride, Y + t * ldy + c, ldy, nt, np);
+                    pair_tiles(xb + t * kp, kp, p, Y + t * ldy + c, ldy, nt, np);
                     continue;
                 }
-                pair_tiles(xb + t * kp, kp, p, stride, edge, PANEL, nt, 1); /* the cut panel */
+                pair_tiles(xb + t * kp, kp, p, edge, PANEL, nt, 1); /* the cut panel */
                 for (int j = 0; j < nt; j++)
                     memcpy(Y + (t + j) * ldy + c, edge + j * PANEL, sizeof(float) * (c1 - c));
             }
