@@ -562,8 +562,9 @@ static void dot_rows(const uint16_t *xb, int64_t kp, const uint16_t *W, int64_t 
  * attention projections and the dense MLP 25-45% faster, the lm head ~1.3 ms), a prefill of 8 x
  * 256 tokens 536-583 -> 524-557. Groups of 4 panels, against panels one after another (each
  * tile's 4 panels then 4 streams, 16 KiB apart for the experts' w13): the experts of `small` alone
- * (704 of them, 2-3 tokens each, cold, 2 threads) 9.0-9.7 -> 8.4-8.6 ms, 29-31 -> 32-33 GB/s,
- * what a plain sequential read of the same bytes got in the same minutes (30-33). */
+ * (704 of them, 2-3 tokens each, cold, 2 threads, 4 alternating runs) 9.66-9.80 -> 8.52-8.91
+ * ms, 28-29 -> 31-32 GB/s, what a plain sequential read of the same bytes got in the same minutes
+ * (30 GB/s). Software fetches ahead (of the next panels, or 256 B to 64 KiB on) did not help. */
 enum { GROUP = 4 * PANEL }; /* columns a group of panels */
 
 static inline int64_t panels_elems(int64_t k, int64_t n) {
