@@ -585,16 +585,22 @@ static void pack_panels(const uint16_t *W, int64_t k, int64_t n, uint16_t *P) {
 }
 
 /* Y[t, :16 NP] = xb[t] @ NP pair panels side by side in one group (P the first one's first
- * element) for NT tokens: NT x NP sums in registers over all row pairs. */
+ * element) for NT tokens: NT x NP sums in registers over all row pairs. The lines [ahead, ahead
+ * + 64 lines) are fetched along the way, `per` lines a row pair (ahead NULL: none). */
 static inline __attribute__((always_inline)) void pair_tile(const uint16_t *xb, int64_t kp,
                                                             const uint16_t *P, float *Y,
-                                                            int64_t ldy, const int NT,
-                                                            const int NP) {
+                                                            int64_t ldy, const char *ahead,
+                                                            int64_t lines, int64_t per,
+                                                            const int NT, const int NP) {
     __m512 acc[8][4];
     _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)
         _Pragma("GCC unroll 4") for (int g = 0; g < NP; g++) acc[t][g] = _mm512_setzero_ps();
     for (int64_t i = 0; i < kp; i += 2) {
         __m512bh w[4];
+        if (ahead && lines > 0) {
+            for (int64_t u = 0; u < per; u++) __builtin_prefetch(ahead + 64 * u);
+            ahead += 64 * per, lines -= per;
+        }
         _Pragma("GCC unroll 4") for (int g = 0; g < NP; g++)
             w[g] = (__m512bh)_mm512_loadu_si512(P + i * GROUP + g * 2 * PANEL);
         _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {
@@ -610,12 +616,13 @@ static inline __attribute__((always_inline)) void pair_tile(const uint16_t *xb, 
 
 /* pair_tile for nt <= 8 tokens and np (1, 2 or 4) panels, np * nt at most 16 */
 static void pair_tiles(const uint16_t *xb, int64_t kp, const uint16_t *P, float *Y, int64_t ldy,
-                       int nt, int np) {
+                       const char *ahead, int64_t lines, int nt, int np) {
+    const int64_t per = (lines + kp / 2 - 1) / (kp / 2);
 #define PAIR_CASE(NT)                                                                            \
     case NT:                                                                                     \
-        if (np == 4 && NT <= 4) pair_tile(xb, kp, P, Y, ldy, NT, 4);                     \
-        else if (np >= 2) pair_tile(xb, kp, P, Y, ldy, NT, 2);                           \
-        else pair_tile(xb, kp, P, Y, ldy, NT, 1);                                        \
+        if (np == 4 && NT <= 4) pair_tile(xb, kp, P, Y, ldy, ahead, lines, per, NT, 4);                     \
+        else if (np >= 2) pair_tile(xb, kp, P, Y, ldy, ahead, lines, per, NT, 2);                           \
+        else pair_tile(xb, kp, P, Y, ldy, ahead, lines, per, NT, 1);                                        \
         break;
     switch (nt) {
         PAIR_CASE(1) PAIR_CASE(2) PAIR_CASE(3) PAIR_CASE(4)
@@ -628,7 +635,12 @@ static void pair_tiles(const uint16_t *xb, int64_t kp, const uint16_t *P, float 
  * multiple of 16: X rounded to bf16 once, then block by block of TOKEN_BLOCK tokens (whose rounded
  * rows stay in L2) the panels are swept by tiles of up to 8 tokens x 2 panels (4 panels for up to
  * 4 tokens; never across a group), so each is read from memory once for the whole block; the last
- * panel's sums go through a buffer where it is cut. */
+ * panel's sums go through a buffer where it is cut. With more than 4 tokens the first block's
+ * tiles over a group fetch the next group meanwhile (cold W, 32 tokens, 2 threads, us: 512 x 8192
+ * 952-1066 -> 757-815, 512 x 1536 173-192 -> 136-156, 192 x 512 30-32 -> 27; 8 tokens, 512 x 352
+ * 24-26 -> 17-21; `small` bf16, 32 decodes at context 320, 3 alternating runs 17.2-18.1 -> 15.3-16.4
+ * ms a forward). Fewer tokens are bound by the reading, which the fetches only slowed (the experts
+ * alone, 2-3 tokens: 6.8-9.0 -> 8.2-10.0 ms). */
 static void panel_cols(const float *X, int64_t ldx, const uint16_t *P, int64_t k, float *Y,
                        int64_t ldy, int64_t T, int64_t c0, int64_t c1) {
     enum { X_ON_STACK = 8192 };
@@ -646,13 +658,21 @@ static void panel_cols(const float *X, int64_t ldx, const uint16_t *P, int64_t k
             const int64_t left = MIN(whole - c, GROUP - c % GROUP) / PANEL;
             const int np = c >= whole ? 1 : left >= wide ? wide : left >= 2 ? 2 : 1;
             const uint16_t *p = P + panel_at(c, kp);
+            /* with more than 4 tokens (a tile's sums then outlast its reads) the tiles over this
+             * group fetch the next group of these columns, each its share */
+            const int64_t next = (c / GROUP + 1) * GROUP, group_lines = GROUP * kp * 2 / 64;
+            const int64_t passes = (t1 - t0 + 7) / 8 * (GROUP / PANEL / np);
+            const int64_t share = (group_lines + passes - 1) / passes;
+            const char *ahead = next < c1 ? (const char *)(P + panel_at(next, kp)) : NULL;
             for (int64_t t = t0; t < t1; t += 8) {
                 const int nt = (int)MIN(8, t1 - t);
+                const int64_t pass = (t - t0) / 8 * (GROUP / PANEL / np) + c % GROUP / PANEL / np;
+                const char *at = ahead && t0 == 0 && t1 > 4 ? ahead + 64 * pass * share : NULL;
                 if (c < whole) {
-                    pair_tiles(xb + t * kp, kp, p, Y + t * ldy + c, ldy, nt, np);
+                    pair_tiles(xb + t * kp, kp, p, Y + t * ldy + c, ldy, at, share, nt, np);
                     continue;
                 }
-                pair_tiles(xb + t * kp, kp, p, edge, PANEL, nt, 1); /* the cut panel */
+                pair_tiles(xb + t * kp, kp, p, edge, PANEL, NULL, 0, nt, 1); /* the cut panel */
                 for (int j = 0; j < nt; j++)
                     memcpy(Y + (t + j) * ldy + c, edge + j * PANEL, sizeof(float) * (c1 - c));
             }
