@@ -620,9 +620,9 @@ static void pair_tiles(const uint16_t *xb, int64_t kp, const uint16_t *P, float 
     const int64_t per = (lines + kp / 2 - 1) / (kp / 2);
 #define PAIR_CASE(NT)                                                                            \
     case NT:                                                                                     \
-        if (np == 4 && NT <= 4) pair_tile(xb, kp, P, Y, ldy, ahead, lines, per, NT, 4);                     \
-        else if (np >= 2) pair_tile(xb, kp, P, Y, ldy, ahead, lines, per, NT, 2);                           \
-        else pair_tile(xb, kp, P, Y, ldy, ahead, lines, per, NT, 1);                                        \
+        if (np == 4 && NT <= 4) pair_tile(xb, kp, P, Y, ldy, ahead, lines, per, NT, 4);          \
+        else if (np >= 2) pair_tile(xb, kp, P, Y, ldy, ahead, lines, per, NT, 2);                \
+        else pair_tile(xb, kp, P, Y, ldy, ahead, lines, per, NT, 1);                             \
         break;
     switch (nt) {
         PAIR_CASE(1) PAIR_CASE(2) PAIR_CASE(3) PAIR_CASE(4)
@@ -638,9 +638,9 @@ static void pair_tiles(const uint16_t *xb, int64_t kp, const uint16_t *P, float 
  * panel's sums go through a buffer where it is cut. With more than 4 tokens the first block's
  * tiles over a group fetch the next group meanwhile (cold W, 32 tokens, 2 threads, us: 512 x 8192
  * 952-1066 -> 757-815, 512 x 1536 173-192 -> 136-156, 192 x 512 30-32 -> 27; 8 tokens, 512 x 352
- * 24-26 -> 17-21; `small` bf16, 32 decodes at context 320, 3 alternating runs 17.2-18.1 -> 15.3-16.4
- * ms a forward). Fewer tokens are bound by the reading, which the fetches only slowed (the experts
- * alone, 2-3 tokens: 6.8-9.0 -> 8.2-10.0 ms). */
+ * 24-26 -> 17-21; `small` bf16, 32 decodes at context 320, 3 alternating runs 17.2-18.1 ->
+ * 15.3-16.4 ms a forward). Fewer tokens are bound by the reading, which the fetches only slowed
+ * (the experts alone, 2-3 tokens: 6.8-9.0 -> 8.2-10.0 ms). */
 static void panel_cols(const float *X, int64_t ldx, const uint16_t *P, int64_t k, float *Y,
                        int64_t ldy, int64_t T, int64_t c0, int64_t c1) {
     enum { X_ON_STACK = 8192 };
@@ -716,14 +716,6 @@ static void matmul_cols(const float *X, int64_t ldx, const wt *W, int64_t ldw, f
 #endif
 }
 
-/* Y[t, c0:c1] = X[t, :k] @ W[:k, c0:c1] for a dense weight W [k, n] in the build's panels
- * (pd_pack), c0 a multiple of 16. */
-static void dense_cols(const float *X, int64_t ldx, const wt *W, int64_t n, float *Y,
-                       int64_t ldy, int64_t T, int64_t k, int64_t c0, int64_t c1) {
-    (void)n;
-    panel_cols(X, ldx, W, k, Y, ldy, T, c0, c1);
-}
-
 /* One product of a `matmuls` call: Y [T, n] = X @ W [k, n] (a dense weight). */
 typedef struct {
     const wt *W;
@@ -748,7 +740,7 @@ static void matmuls(const float *X, int64_t T, int64_t k, const mm_job *jobs, in
         const mm_job *job = jobs + item / parts;
         const int64_t part = item % parts, chunk = ((job->n + parts - 1) / parts + 15) / 16 * 16;
         const int64_t c0 = MIN(job->n, part * chunk), c1 = MIN(job->n, c0 + chunk);
-        if (c0 < c1) dense_cols(X, k, job->W, job->n, job->Y, job->n, T, k, c0, c1);
+        if (c0 < c1) panel_cols(X, k, job->W, k, job->Y, job->n, T, c0, c1);
     }
 }
 
