@@ -20,7 +20,9 @@ submission to the last token; ratio = engine / transformers. Also per concurrenc
   transformers, median interval between consecutive forward calls (a whole generate step).
 - decode roofline: achieved FLOP/s and bytes/s of the engine's decode-only steps under the cost
   model of `pdmesh_bench.machine`, as a fraction of this machine's matmul and memory peaks,
-  measured at the start of the same run.
+  measured at the start of the same run; the bandwidth fraction also against the memory peak
+  measured just before and just after each engine run (`%BW beside`: a shared machine's bandwidth
+  drifts within a run).
 - outputs_match: sequences whose tokens are identical between the two (greedy fp32: expect all).
 
 With `--against llama.cpp --llama-batched-bench BIN --gguf FILE` (a GGUF of the same checkpoint),
@@ -54,6 +56,7 @@ from pdmesh_bench.machine import (
     DecodeCostModel,
     MachinePeaks,
     measure_peaks,
+    memory_beside,
     roofline,
     rss_snapshot,
     set_threads,
@@ -248,10 +251,10 @@ def make_prompts(vocab: int, count: int, length: int, seed: int) -> list[list[in
 
 
 def _rounds(
-    c: int, args: argparse.Namespace, engine: EngineCore, hf: Any
+    c: int, args: argparse.Namespace, engine: EngineCore, hf: Any, peaks: MachinePeaks
 ) -> tuple[list[dict], list[dict]]:
     """Both sides `args.rounds` times on fresh prompts each round (no prefix hits), alternating who
-    goes first."""
+    goes first; the memory peak measured again just before and just after each engine run."""
     ours: list[dict] = []
     theirs: list[dict] = []
     for r in range(args.rounds):
@@ -261,7 +264,9 @@ def _rounds(
         for side in ("engine", "hf") if r % 2 == 0 else ("hf", "engine"):
             _log(f"concurrency {c}, round {r + 1}/{args.rounds}: {side} ...")
             if side == "engine":
+                before = peaks.measure_memory_again()
                 ours.append(run_engine(engine, prompts, args.output_len))
+                ours[-1]["memory_bytes_per_s_beside"] = (before, peaks.measure_memory_again())
             else:
                 theirs.append(run_hf(hf, prompts, args.output_len))
             seconds = (ours if side == "engine" else theirs)[-1]["seconds"]
@@ -284,7 +289,7 @@ def compare(
 ) -> dict[str, Any]:
     """One row of the results: medians over the rounds (ratio = engine tokens/s / transformers
     tokens/s)."""
-    ours, theirs = _rounds(c, args, engine, hf)
+    ours, theirs = _rounds(c, args, engine, hf, peaks)
     out_tokens = c * args.output_len
     engine_tps, hf_tps = (
         out_tokens / _median(ours, "seconds"),
@@ -308,7 +313,18 @@ def compare(
         "engine_steps": ours[0]["steps"],
         "engine_decode_only_steps": len(ours[0]["decode_steps"]),
         "outputs_match": match,
-        "roofline": roofline(cost, decode_steps, peaks),
+        "memory_bytes_per_s_beside": [run["memory_bytes_per_s_beside"] for run in ours],
+        "roofline": roofline(
+            cost,
+            decode_steps,
+            peaks,
+            memory_beside(
+                [
+                    (sum(s for s, _ in run["decode_steps"]), *run["memory_bytes_per_s_beside"])
+                    for run in ours
+                ]
+            ),
+        ),
     }
 
 
@@ -439,21 +455,28 @@ def print_table(report: dict[str, Any]) -> None:
     head = (
         f"{'conc':>5} {'engine tok/s':>13} {'hf tok/s':>10} {'ratio':>7} {'eng prefill s':>14} "
         f"{'hf prefill s':>13} {'eng step ms':>12} {'hf step ms':>11} {'%FLOP':>7} {'%BW':>6} "
-        f"{'match':>6}"
+        f"{'%BW beside':>11} {'match':>6}"
     )
     print(head)
     for r in report["results"]:
         roof = r["roofline"]
         flop = f"{100 * roof['flops_fraction_of_peak']:.2f}" if roof else "-"
         bw = f"{100 * roof['bandwidth_fraction_of_peak']:.1f}" if roof else "-"
+        beside = roof.get("bandwidth_fraction_beside") if roof else None
+        bw_beside = f"{100 * beside:.1f}" if beside else "-"
         print(
             f"{r['concurrency']:>5} {r['engine_tokens_per_s']:>13.1f} "
             f"{r['hf_tokens_per_s']:>10.1f} "
             f"{r['ratio']:>6.2f}x {r['engine_prefill_s']:>14.2f} {r['hf_prefill_s'] or 0:>13.2f} "
             f"{_ms(r['engine_decode_step_ms_median']):>12} "
             f"{_ms(r['hf_decode_step_ms_median']):>11} "
-            f"{flop:>7} {bw:>6} {r['outputs_match']:>3}/{r['concurrency']}"
+            f"{flop:>7} {bw:>6} {bw_beside:>11} {r['outputs_match']:>3}/{r['concurrency']}"
         )
+    for r in report["results"]:
+        measured = ", ".join(
+            f"{a / 1e9:.1f}/{b / 1e9:.1f}" for a, b in r["memory_bytes_per_s_beside"]
+        )
+        print(f"conc {r['concurrency']}: memory GB/s before/after each engine run: {measured}")
     if "llamacpp_decode_tokens_per_s" in report["results"][0]:
         print(f"{'conc':>5} {'engine decode tok/s':>20} {'llama.cpp tok/s':>16} {'ratio':>7}")
         for r in report["results"]:

