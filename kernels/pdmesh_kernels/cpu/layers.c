@@ -766,8 +766,6 @@ static void rms_norm(const float *x, const float *w, float *y, int64_t n, float 
     for (int64_t i = 0; i < n; i++) y[i] = x[i] * r * w[i];
 }
 
-static inline float silu(float v) { return v / (1.0f + expf(-v)); }
-
 typedef int32_t vi8 __attribute__((vector_size(32), aligned(4)));
 
 /* exp(x) for x <= 0 (softmax numerators), 8 lanes at a time: Cephes' range reduction
@@ -789,6 +787,33 @@ static inline v8 exp_nonpositive(v8 x) {
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
     return p * (v8)((n + 127) << 23);
+}
+
+/* x * sigmoid(x) (with_x) or sigmoid(x), 8 lanes at a time: e = exp(-|x|) by exp_nonpositive,
+ * then x / (1 + e) where x >= 0 and x e / (1 + e) below, so no lane overflows. */
+static inline v8 sigmoid_of(v8 x, int with_x) {
+    const vi8 negative = x < 0, sign = (vi8){0} + INT32_MIN;
+    const v8 e = exp_nonpositive((v8)((vi8)x | sign)); /* exp(-|x|) */
+    const v8 top = (v8)((negative & (vi8)e) | (~negative & (vi8)((v8){0} + 1.0f)));
+    return (with_x ? x * top : top) / (1.0f + e);
+}
+
+/* y[:n] = sigmoid(x[:n]) (with_x: x sigmoid(x), SiLU), times u[:n] unless u is NULL; a short
+ * tail goes through a padded vector, so every element is computed alike. Against the scalar form
+ * (expf, then a division; at most 1.5e-7 from the exact value over [-100, 100], this 1.8e-7 for
+ * sigmoid, 2.2e-7 for SiLU), `small` bf16, 32 decodes at context 320, 3 alternating runs, ms a
+ * forward: the routing 0.28-0.31 -> 0.23-0.26, the dense layer's MLP 0.70-0.79 -> 0.55-0.64. */
+static void sigmoid_rows(const float *x, const float *u, float *y, int64_t n, int with_x) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const v8 s = sigmoid_of(*(const v8 *)(x + i), with_x);
+        *(v8 *)(y + i) = u ? s * *(const v8 *)(u + i) : s;
+    }
+    if (i == n) return;
+    v8 xt = {0}, ut = {0};
+    for (int64_t k = 0; i + k < n; k++) xt[k] = x[i + k], ut[k] = u ? u[i + k] : 0.0f;
+    const v8 s = sigmoid_of(xt, with_x);
+    for (int64_t k = 0; i + k < n; k++) y[i + k] = u ? s[k] * ut[k] : s[k];
 }
 
 /* Rope as the engine's RotaryEmbedding: with interleave the pairs are (x0, x1), (x2, x3), ...
@@ -1368,11 +1393,9 @@ static void swiglu(const float *x, const wt *gate, const wt *up, const wt *down,
     const mm_job gate_up[2] = {{gate, g, I}, {up, u, I}};
     matmuls(x, T, D, gate_up, 2, nt);
 #pragma omp parallel for num_threads(row_threads(T, I, nt))
-    for (int64_t i = 0; i < T * I; i++) g[i] = silu(g[i]) * u[i];
+    for (int64_t t = 0; t < T; t++) sigmoid_rows(g + t * I, u + t * I, g + t * I, I, 1);
     matmul(g, down, out, T, I, D, nt);
 }
-
-static inline float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
 
 /* Top `k` of v[n] (largest first, lower index on ties) into idx: one pass, each value placed in
  * the sorted list of the best so far (after its equals). */
@@ -1393,10 +1416,8 @@ static void route(const pd_dims *d, const pd_layer *l, const float *logits, floa
                   int64_t *experts, float *work) {
     const int64_t E = d->n_experts, K = d->top_k, G = d->n_group, per = E / G;
     float *scores = work, *choice = work + E, *group_scores = work + 2 * E;
-    for (int64_t e = 0; e < E; e++) {
-        scores[e] = sigmoid(logits[e]);
-        choice[e] = scores[e] + l->router_bias[e];
-    }
+    sigmoid_rows(logits, NULL, scores, E, 0);
+    for (int64_t e = 0; e < E; e++) choice[e] = scores[e] + l->router_bias[e];
     if (d->topk_group < G) { /* keep the experts of the best topk_group groups (top-2 sums) */
         int64_t pair[2], groups[64];
         for (int64_t g = 0; g < G; g++) {
@@ -1478,8 +1499,7 @@ static void moe(const pd_dims *d, const pd_layer *l, const float *h, float *x, i
             panel_cols(rows, D, l->w13 + p * panels_elems(D, 2 * I), D, gate_up, 2 * I, n, 0,
                        2 * I);
             for (int64_t r = 0; r < n; r++)
-                for (int64_t i = 0; i < I; i++)
-                    hidden[r * I + i] = silu(gate_up[r * 2 * I + i]) * gate_up[r * 2 * I + I + i];
+                sigmoid_rows(gate_up + r * 2 * I, gate_up + r * 2 * I + I, hidden + r * I, I, 1);
             panel_cols(hidden, I, l->w2 + p * panels_elems(I, D), I, out, D, n, 0, D);
             for (int64_t r = 0; r < n; r++)
                 memcpy(pair_out + order[start[p] + r] * D, out + r * D, D * sizeof(float));
