@@ -237,20 +237,35 @@ def test_reservation_lease_expires_and_returns_blocks(disagg_mesh):
 
 
 def test_abort_during_prefill_returns_blocks_on_both_sides(disagg_mesh):
-    """A client that gives up while its long prompt is still being prefilled leaves nothing
-    behind."""
-    prompt = "many words in a long prompt " * 60
+    """A client that hangs up right after sending a long prompt, while it is routed and
+    prefilled, leaves nothing behind. (The read timeout is 1 ms, not the time a prefill takes:
+    the whole mesh answered the first token of this prompt within 50 ms on a fast run, and the
+    test must not depend on how fast the machine is.)"""
+    prompt = "many words in a long prompt " * 60  # 842 tokens, of the mesh's 1,280 cache slots
     body = {"model": _model_name(disagg_mesh), "prompt": prompt, "max_tokens": 8, "stream": True}
+    cancelled = _requests_ended(disagg_mesh, "cancelled")
     with pytest.raises(httpx.TimeoutException):
         with httpx.stream(
             "POST",
             f"{http_url(disagg_mesh)}/v1/completions",
             json=body,
-            timeout=httpx.Timeout(60, read=0.05),
+            timeout=httpx.Timeout(60, read=0.001),
         ) as response:
             for _ in response.iter_lines():
                 pass
     _assert_no_leaks(disagg_mesh)
+    # admitted, then cancelled by the hang-up (a prompt the gateway refused would not count here)
+    deadline = time.monotonic() + 10
+    while _requests_ended(disagg_mesh, "cancelled") < cancelled + 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _requests_ended(disagg_mesh, "cancelled") == cancelled + 1
+
+
+def _requests_ended(mesh, status: str) -> float:
+    """The gateway's count of requests that ended with `status` (pdmesh_requests_total)."""
+    text = httpx.get(f"{http_url(mesh)}/metrics", timeout=10).text
+    line = f'pdmesh_requests_total{{status="{status}"}} '
+    return sum(float(row[len(line) :]) for row in text.splitlines() if row.startswith(line))
 
 
 def test_mesh_view_lists_every_instance(disagg_mesh):
