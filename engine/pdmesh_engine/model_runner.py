@@ -142,7 +142,8 @@ def load_model(
     model.load_weights(iter_tensors(model_dir))
     if device.type == "cpu" and not uses_triton(device):  # else the CUDA path (`force_triton`)
         model.use_cpu_layouts()
-        huge_pages.advise_all(itertools.chain(model.parameters(), model.buffers()))
+        copies = model.cpu_layers.tensors() if model.cpu_layers is not None else ()
+        huge_pages.advise_all(itertools.chain(model.parameters(), model.buffers(), copies))
     model.eval()
     return model
 

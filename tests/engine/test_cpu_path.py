@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import torch
+from memory_maps import huge_bytes_in, huge_pages_available
 from small_models import small_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -204,6 +205,23 @@ def _random_model(
         layer.self_attn.process_weights()
     model.use_cpu_layouts()
     return model.eval()
+
+
+@pytest.mark.skipif(not huge_pages_available(), reason="no transparent huge pages here")
+def test_expert_tables_lie_in_huge_pages_and_every_copy_is_listed() -> None:
+    # 64 experts of 3 x 128 x 128 fp32 weights: a 12 MiB table a MoE layer, streamed every step
+    model = _random_model(hidden_size=128, moe_intermediate_size=128, n_routed_experts=64)
+    path = model.cpu_layers
+    assert path is not None
+    listed = {t.untyped_storage().data_ptr() for t in path.tensors()}
+    for w13, w2, _ in path._expert_copies.values():
+        assert w13.data_ptr() % (2 << 20) == 0  # the layer's table starts on a huge page
+        assert w2.data_ptr() == w13.data_ptr() + w13.nbytes  # and its w2 slots follow
+        end = w2.data_ptr() + w2.nbytes
+        assert huge_bytes_in(w13.data_ptr(), end) >= end - w13.data_ptr() - (2 << 20)
+        assert w13.untyped_storage().data_ptr() in listed
+    for packed in path._packed.values():
+        assert packed.data.untyped_storage().data_ptr() in listed
 
 
 @torch.inference_mode()

@@ -4,34 +4,17 @@ own account of the process's memory (/proc/self/smaps)."""
 from __future__ import annotations
 
 import platform
-from pathlib import Path
 
 import pytest
 import torch
+from memory_maps import huge_bytes, huge_pages_available
 
 from pdmesh_engine import huge_pages
 from pdmesh_engine.model_runner import allocate_kv_memory
 
-THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 pytestmark = pytest.mark.skipif(
-    not THP.exists() or "[never]" in THP.read_text(),
-    reason="transparent huge pages are not available on this kernel",
+    not huge_pages_available(), reason="transparent huge pages are not available on this kernel"
 )
-
-
-def huge_bytes(tensor: torch.Tensor) -> int:
-    """Bytes of huge pages in the mappings that hold the tensor's storage."""
-    start = tensor.untyped_storage().data_ptr()
-    end = start + tensor.untyped_storage().nbytes()
-    total, inside = 0, False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and ":" not in head:  # a mapping's header: "lo-hi perms ..."
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo < end and start < hi
-        elif inside and head == "AnonHugePages:":
-            total += int(line.split()[1]) * 1024
-    return total
 
 
 def test_filled_memory_is_collapsed_into_huge_pages_with_its_values() -> None:
@@ -53,6 +36,15 @@ def test_kv_pool_is_zeroed_in_huge_pages() -> None:
     assert pool.shape == (2, 256, 16, 160) and pool.is_contiguous()
     assert not pool.any()
     assert huge_bytes(pool) >= 2 << 20
+
+
+def test_empty_starts_on_a_huge_page_and_is_backed_by_them() -> None:
+    table = huge_pages.empty(40 << 20 >> 1, torch.bfloat16)  # 40 MiB: always a fresh mapping
+    assert table.numel() == 40 << 20 >> 1 and table.dtype == torch.bfloat16
+    assert table.data_ptr() % huge_pages.HUGE_PAGE == 0
+    table.fill_(1.5)  # the first touch, after the advice
+    assert huge_bytes(table) >= table.nbytes  # every page of it a huge one
+    assert bool((table == 1.5).all())
 
 
 def test_small_tensors_are_left_alone() -> None:

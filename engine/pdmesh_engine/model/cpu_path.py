@@ -22,10 +22,12 @@ neighbours.
 The layer tables (`pdmesh_kernels.cpu_layers.Layer`) point at the model's own parameters, stored
 for this path at load time (`DeepseekV3ForCausalLM.use_cpu_layouts`): linear weights as [in, out],
 the experts as row tables. The C products read copies of them in the layouts they read fastest
-(`cpu_layers.pack`), made here once: the experts' slots packed into panels in both builds, the
-linear weights and routers in the fp32 build (the bf16 build's tables point at those parameters).
-The copies take as much memory again as the weights they copy. Placement switches (EPLB) are
-picked up at the next forward, the slots whose expert changed packed again.
+(`cpu_layers.pack`), made here once: the experts' slots and the linear weights packed into panels
+in both builds, the routers too in the fp32 build (the bf16 build reads its fp32 routers in
+place). The copies take as much memory again as the weights they copy; a layer's expert slots lie
+in one table that starts on a huge page (`huge_pages.empty`), and the loader advises the other
+copies too (`tensors`): the decode streams them every step. Placement switches (EPLB) are picked
+up at the next forward, the slots whose expert changed packed again.
 
 Legend: T tokens, D hidden size, K experts per token.
 """
@@ -34,11 +36,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
+from pdmesh_engine import huge_pages
 from pdmesh_engine.forward_batch import ForwardBatch
 from pdmesh_engine.model.layers import DenseMLP, RMSNorm
 from pdmesh_engine.model.moe import ExpertLoadRecorder, ExpertPlacement, LocalDispatcher, MoE
@@ -193,6 +197,15 @@ class CpuLayerPath:
             self._as_fp32(mtp.hnorm.weight),
         )
 
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """The copies of the model's weights that this path reads in their place (packed, or
+        widened to fp32)."""
+        for w13, w2, _ in self._expert_copies.values():
+            yield from (w13, w2)
+        for packed in self._packed.values():
+            yield packed.data
+        yield from self._fp32.values()
+
     def _as_fp32(self, param: torch.Tensor) -> torch.Tensor:
         """A parameter in fp32: itself in an fp32 model, else a copy made once and kept."""
         if param.dtype == torch.float32:
@@ -276,9 +289,10 @@ class CpuLayerPath:
         size13 = self.lib.pd_panels_size(*w13.shape[1:])
         size2 = self.lib.pd_panels_size(*w2.shape[1:])
         num_slots = w13.shape[0]
+        table = huge_pages.empty(num_slots * (size13 + size2), w13.dtype)
         copies = (
-            torch.empty(num_slots, size13, dtype=w13.dtype),
-            torch.empty(num_slots, size2, dtype=w2.dtype),
+            table[: num_slots * size13].view(num_slots, size13),
+            table[num_slots * size13 :].view(num_slots, size2),
         )
         self._expert_copies[id(layer)] = (*copies, [-1] * num_slots)
         self._pack_slots(layer, moe)
