@@ -15,10 +15,10 @@ The library is compiled on first use with the system C compiler (`$CC`, else `cc
 compiler `library()` returns None and the engine keeps its torch path; `PDMESH_CPU_LAYERS=0` turns
 the C path off.
 
-Weights go in the layouts the products read fastest, made once at load: the linear weights and
-each routed expert's w13 and w2 as 16-column panels (`pack`, `pack_into`; of row pairs where the
-build has dot products), in both builds; the routers too in the fp32 build (the bf16 build keeps
-them fp32 and reads them as they are).
+Weights go in the layouts the products read fastest, made once at load: the linear weights, each
+routed expert's w13 and w2 and each head's absorbed slices (w_uk, w_uv) as 16-column panels
+(`pack`, `pack_into`; of row pairs where the build has dot products), in both builds; the routers
+too in the fp32 build (the bf16 build keeps them fp32 and reads them as they are).
 
 The ctypes mirrors `Dims` and `Layer` must match `pd_dims` and `pd_layer` in `cpu/layers.c` field
 for field.

@@ -220,6 +220,17 @@ class CpuLayerPath:
             self._packed[id(param)] = cpu_layers.pack(self.lib, _contiguous(w, "a linear weight"))
         return self._packed[id(param)]
 
+    def _heads(self, w: torch.Tensor, name: str) -> torch.Tensor:
+        """w [H, k, n] (one slice a head) with each head's slice in the build's panels, one after
+        another, packed once."""
+        if id(w) not in self._packed:
+            heads, k, n = _contiguous(w, name).shape
+            out = torch.empty(heads, self.lib.pd_panels_size(k, n), dtype=w.dtype)
+            for h in range(heads):
+                cpu_layers.pack_into(self.lib, w[h], out[h])
+            self._packed[id(w)] = Packed(out, k, n)
+        return self._packed[id(w)].data
+
     def _token_seq(self, batch: ForwardBatch) -> torch.Tensor:
         """Each token's sequence (its row of the block tables)."""
         if batch.num_decodes == batch.num_tokens:
@@ -257,8 +268,8 @@ class CpuLayerPath:
         table.kv_a_norm = norm(attn.kv_a_layernorm.weight)
         if attn.w_uk is None or attn.w_uv_t is None:
             raise ValueError("MLA weights not processed (process_weights)")
-        table.w_uk = w(_contiguous(attn.w_uk, "w_uk"))
-        table.w_uv = w(_contiguous(attn.w_uv_t, "w_uv_t"))
+        table.w_uk = w(self._heads(attn.w_uk, "w_uk"))
+        table.w_uv = w(self._heads(attn.w_uv_t, "w_uv_t"))
         table.kv_b = packed(attn.kv_b_proj)
         table.o_proj = packed(attn.o_proj)
         table.kv_a_bias = norm(attn.kv_a_proj_with_mqa.bias)

@@ -18,7 +18,8 @@
  *   linear weights   W [in, out] (nn.Linear's weight transposed: y[c] += x[i] * W[i, c]) in
  *                    panels (`pd_pack`: of 16 columns, of row pairs in a PD_DP build); the fp32
  *                    build's routers too (the bf16 build's fp32 routers are read row-major)
- *   w_uk [H, N, L], w_uv [H, L, V]   (kv_b_proj split per head, as the torch path's bmm uses)
+ *   w_uk [H, N, L], w_uv [H, L, V]   (kv_b_proj split per head, as the torch path's bmm uses),
+ *                                     each head's slice in panels (`pd_pack`), one after another
  *   kv_b [L, H (N + V)]               (kv_b_proj whole, a linear weight: the prefill's expansion)
  *   w13 [P, D, 2I], w2 [P, I, D]      (the experts' row tables: gate|up, then down), each slot
  *                                     in panels (`pd_pack`)
@@ -117,13 +118,11 @@ static inline v8 load8(const float *p) { return *(const v8 *)p; }
 static inline float load1(const float *p) { return *p; }
 #endif
 
-/* Register tiles: Y[t, :16] = X[t, :k] @ P for NT tokens, P [k, 16] a packed panel of W (fp32:
- * tile_NT, matmul_panels' and the fp32 build's; or of wt: wtile_NT, the experts' of a bf16 build
- * without dot products, widened as loaded): each row of P is loaded once for all NT tokens, the
- * NT x 16 sums stay in registers over all k rows and Y is written once. Every `every` rows the
- * tile fetches one line, `fetch` (NULL: none) then `fetch_step` bytes on: memory work spread over
- * the sums. */
-static inline v8 loadf8(const float *p) { return *(const v8 *)p; }
+/* Register tiles (wtile_NT): Y[t, :16] = X[t, :k] @ P for NT tokens, P [k, 16] a packed panel of
+ * W (the products of a build without bf16 dot products; a bf16 build's widened to fp32 as
+ * loaded): each row of P is loaded once for all NT tokens, the NT x 16 sums stay in registers over
+ * all k rows and Y is written once. Every `every` rows the tile fetches one line, `fetch` (NULL:
+ * none) then `fetch_step` bytes on: memory work spread over the sums. */
 #define TILE(NAME, PT, LOAD, NT)                                                                 \
     static inline void NAME##_##NT(const float *X, int64_t ldx, const PT *P, float *Y,           \
                                    int64_t ldy, int64_t k, const char *fetch,                    \
@@ -153,165 +152,31 @@ static inline v8 loadf8(const float *p) { return *(const v8 *)p; }
                            const char *, int64_t, int64_t);                                      \
     static NAME##_fn *const NAME##_for[7] = {0,        NAME##_1, NAME##_2, NAME##_3,             \
                                              NAME##_4, NAME##_5, NAME##_6};
-TILES(tile, float, loadf8)
-#ifndef PD_BF16
-#define wtile_for tile_for /* wt is float */
-#elif !defined(PD_DP)
+#ifndef PD_DP
 TILES(wtile, wt, load8)
 #endif
-
-/* Columns [c0, c1) of rows [0, T) without a register tile (the ragged edge). */
-static void matmul_edge(const float *X, int64_t ldx, const wt *W, int64_t ldw, float *Y,
-                        int64_t ldy, int64_t T, int64_t k, int64_t c0, int64_t c1) {
-    for (int64_t t = 0; t < T; t++) {
-        float *y = Y + t * ldy;
-        for (int64_t c = c0; c < c1; c++) y[c] = 0.0f;
-        for (int64_t i = 0; i < k; i++) {
-            const float xv = X[t * ldx + i];
-            const wt *w = W + i * ldw;
-            for (int64_t c = c0; c < c1; c++) y[c] += xv * load1(w + c);
-        }
-    }
-}
 
 /* Start loading x[:n] into the cache. */
 static inline void fetch(const kt *x, int64_t n) {
     for (int64_t off = 0; off < n * (int64_t)sizeof(kt); off += 64) __builtin_prefetch((const char *)x + off);
 }
 
-enum { STREAM_AHEAD = 8192, STREAM_MAX_T = 8 }; /* bytes of W fetched ahead; tokens per sweep */
-
-/* Y[t, :c1 - c0] = X[t, :k] @ W[:k, c0:c1] for t < T <= STREAM_MAX_T, reading W once, row after
- * row in memory order: a row's columns are loaded into registers once and added into every
- * token's output row (kept in L1), while the row STREAM_AHEAD bytes on is fetched (W small enough
- * to stay cached, such as a head's absorbed projection, is not). A few tokens per product are bound
- * by reading W, and one sequential stream reads it fastest. The sums run in row order, as the
- * panels' (matmul_panels) do, so a row's result does not depend on T. */
-static void stream_rows_into(const float *X, int64_t ldx, const wt *W, int64_t ldw, float *Y,
-                             int64_t ldy, int64_t T, int64_t k, int64_t c0, int64_t c1) {
-    const int64_t row_bytes = ldw * (int64_t)sizeof(wt);
-    const int64_t ahead =
-        k * row_bytes <= 4 * STREAM_AHEAD ? 0 : MIN(k, (STREAM_AHEAD + row_bytes - 1) / row_bytes);
-    const int64_t width = c1 - c0, w16 = width / 16 * 16;
-    for (int64_t i = 0; i < ahead; i++) fetch(W + i * ldw + c0, width); /* misses start now */
-    for (int64_t t = 0; t < T; t++) memset(Y + t * ldy, 0, sizeof(float) * width);
-    for (int64_t i = 0; i < k; i++) {
-        const wt *w = W + i * ldw + c0;
-        if (ahead && i + ahead < k) fetch(w + ahead * ldw, width);
-        float xs[STREAM_MAX_T];
-        for (int64_t t = 0; t < T; t++) xs[t] = X[t * ldx + i];
-        int64_t c = 0;
-        for (; c < w16; c += 16) {
-            const v8 lo = load8(w + c), hi = load8(w + c + 8);
-            for (int64_t t = 0; t < T; t++) {
-                float *y = Y + t * ldy + c;
-                *(v8 *)y += xs[t] * lo;
-                *(v8 *)(y + 8) += xs[t] * hi;
-            }
-        }
-        for (; c < width; c++)
-            for (int64_t t = 0; t < T; t++) Y[t * ldy + c] += xs[t] * load1(w + c);
-    }
-}
-
-/* stream_rows_into Y[t, c0:c1]. Two or more tokens sum into a private block whose rows are not a
- * multiple of 4 KiB apart, copied out at the end: outputs 512 floats wide lie 2 KiB apart in Y,
- * where a store to one row can falsely delay the load of the row two on (4 tokens, measured once:
- * 17.5 ms summing in Y, 16.3 in the block).
- * Measured on `small` (2 threads, forward ms, medians of 16 alternating rounds, fp32), against the
- * earlier kernels (one token streamed W four rows at a time; 2-6 tokens swept blocks of 16 rows
- * with register tiles of 16-32 columns, reading W in 16 strided pieces per block; 7-8 tokens took
- * the panels): 1 token 8.2 -> 7.3 (routed experts 3.7 -> 2.9), 4 tokens 18.0 -> 14.6, 32 decodes
- * at context 320 77.1 -> 60.2 (experts 45.7 -> 29.2; bf16 35.1 -> 23.1 in another run). */
-static void stream_rows(const float *X, int64_t ldx, const wt *W, int64_t ldw, float *Y,
-                        int64_t ldy, int64_t T, int64_t k, int64_t c0, int64_t c1) {
-    if (T == 1) {
-        stream_rows_into(X, ldx, W, ldw, Y + c0, ldy, T, k, c0, c1);
-        return;
-    }
-    enum { ON_STACK = STREAM_MAX_T * 528 };
-    const int64_t width = c1 - c0, stride = (width + 15) / 16 * 16 + 16;
-    float on_stack[ON_STACK];
-    float *acc = T * stride <= ON_STACK ? on_stack : malloc(sizeof(float) * T * stride);
-    if (!acc) abort();
-    stream_rows_into(X, ldx, W, ldw, acc, stride, T, k, c0, c1);
-    for (int64_t t = 0; t < T; t++) memcpy(Y + t * ldy + c0, acc + t * stride, sizeof(float) * width);
-    if (acc != on_stack) free(acc);
-}
-
 enum { TOKEN_BLOCK = 96 }; /* tokens whose inputs stay in L2 while W's column panels pass */
-
-/* matmul_cols for more than STREAM_MAX_T tokens: W's 16-column panels one after another, each
- * packed into a contiguous fp32 block, then swept by 6-token x 16-column register tiles (tile_NT)
- * over a block of tokens, so Y is written once. The tiles fetch the next panel's rows, a line
- * every few rows of their sums: fetched in a burst while packing, as they were, the misses
- * stalled the packing and the memory time added to the compute (32 tokens, 2 threads, cold W,
- * us, fp32 | bf16: 512 x 352 153 -> 120 | 141 -> 119, 512 x 1536 653 -> 529 | 556 -> 507,
- * 1536 x 512 657 -> 572 | 576 -> 502; the lm head and 512-token products unchanged within noise).
- * Packing is what makes the sweeps fast: a panel read in place has rows ldw apart, which for wide
- * W fall into a few cache sets (the lm head's 32 KiB apart: every tile went back to memory), and
- * bf16 was widened again by every tile. Measured against the unpacked panels (2 threads, GFLOP/s,
- * medians of 9, cold W, fp32 | bf16): 32 tokens 512 x 8192 (the lm head) 34 -> 56 | 52 -> 79,
- * 512 x 1536 57 -> 86 | 84 -> 100, 1536 x 512 47 -> 92 | 67 -> 86; 512 tokens 512 x 1536 95 ->
- * 122 | 97 -> 120. Against stream_rows, on the experts of `small` (512 x 256 and 128 x 512, cold),
- * the unpacked panels tied at 12 tokens. */
-static void matmul_panels(const float *X, int64_t ldx, const wt *W, int64_t ldw, float *Y,
-                          int64_t ldy, int64_t T, int64_t k, int64_t c0, int64_t c1) {
-    const int64_t c16 = c0 + (c1 - c0) / 16 * 16;
-    /* rows 16 KiB or more apart (the lm head's) fall into a few cache sets, where a panel's rows
-     * fetched ahead evict each other: 4 panels are packed at once there, each row's 64 columns
-     * read together (32 tokens, 512 x 8192, cold, medians of 11: fp32 4.01 -> 3.54 ms, bf16 3.41
-     * -> 3.43; at 6 KiB, 512 x 1536 fp32, it cost 10-20%) */
-    const int64_t group = ldw * (int64_t)sizeof(wt) >= 16384 ? 4 : 1;
-    enum { PANEL_ON_STACK = 16 * 1024 };
-    float on_stack[PANEL_ON_STACK];
-    const int64_t panel_floats = k * 16 * group;
-    float *panel = panel_floats <= PANEL_ON_STACK ? on_stack : malloc(sizeof(float) * panel_floats);
-    if (!panel) abort();
-    for (int64_t t0 = 0; t0 < T; t0 += TOKEN_BLOCK) {
-        const int64_t t1 = MIN(T, t0 + TOKEN_BLOCK);
-        for (int64_t c = c0; c < c16; c += 16 * group) {
-            const int64_t np = MIN(group, (c16 - c) / 16);
-            const wt *w = W + c;
-            for (int64_t i = 0; i < k; i++, w += ldw) { /* pack */
-                if (np == 1) {
-                    *(v8 *)(panel + 16 * i) = load8(w), *(v8 *)(panel + 16 * i + 8) = load8(w + 8);
-                    continue;
-                }
-                for (int64_t g = 0; g < np; g++) {
-                    float *to = panel + 16 * (g * k + i);
-                    *(v8 *)to = load8(w + 16 * g), *(v8 *)(to + 8) = load8(w + 16 * g + 8);
-                }
-            }
-            const int64_t tiles = (t1 - t0 + 5) / 6; /* tile j fetches rows j, j + tiles, ... */
-            const int fetch_next = t0 == 0 && group == 1 && c + 16 < c16; /* of the next panel */
-            for (int64_t g = 0; g < np; g++)
-                for (int64_t t = t0, j = 0; t < t1; t += 6, j++)
-                    tile_for[MIN(6, t1 - t)](
-                        X + t * ldx, ldx, panel + 16 * g * k, Y + t * ldy + c + 16 * g, ldy, k,
-                        fetch_next ? (const char *)(W + j * ldw + c + 16) : NULL,
-                        tiles * ldw * (int64_t)sizeof(wt), fetch_next ? tiles : k);
-        }
-        matmul_edge(X + t0 * ldx, ldx, W, ldw, Y + t0 * ldy, ldy, t1 - t0, k, c16, c1);
-    }
-    if (panel != on_stack) free(panel);
-}
 
 enum { PANEL = 16 }; /* columns a panel */
 #ifndef PD_DP /* (a build with bf16 dot products has panels of row pairs: see pair_tile) */
 /* ---- panels: weights packed once at load (pd_pack) ---------------------------------------- *
  * W [k, n] as ceil(n / 16) panels one after another, each its k rows of 16 columns ([n16 / 16][k]
- * [16] of wt, the last zero-padded): what matmul_panels packs for its register tiles on every call,
- * made once. A thread's share of columns is then one sequential stream, no call packs, and few
- * tokens sweep it as many do (each column one chain of sums in row order, whatever T), the tiles
- * fetching the next panel as matmul_panels' do. Every linear weight and expert slot is stored so
- * (in a build with bf16 dot products, as panels of row pairs: see pair_tile).
- * Measured on `small` (fp32, 2 threads, forward ms, 3 alternating runs, against stream_rows for
- * up to 8 tokens and matmul_panels above): one decode at context 320 6.7-7.2 -> 4.9-5.3; 32
+ * [16] of wt, the last zero-padded). A thread's share of columns is then one sequential stream,
+ * no call packs, and few tokens sweep it as many do (each column one chain of sums in row order,
+ * whatever T), the tiles fetching the next panel. Every linear weight, expert slot and head's
+ * absorbed slice is stored so (in a build with bf16 dot products, as panels of row pairs: see
+ * pair_tile).
+ * Measured on `small` (fp32, 2 threads, forward ms, 3 alternating runs, against streaming W's
+ * rows for up to 8 tokens and packing panels on every call above): one decode at context 320 6.7-7.2 -> 4.9-5.3; 32
  * decodes 39.6-42.5 -> 37.2-39.2 (the attention and MLP products 15-25% faster); a prefill of 8
  * x 256 tokens 813-841 -> 812-817. The lm head alone (cold, 2 threads): 32 rows 3.1-3.3 -> 2.1.
- * The routed experts' slots too, against stream_rows and matmul_panels (the same runs after the
- * above): 32 decodes 36.2-38.5 -> 31.8-33.7, one decode 4.4-4.7 -> 3.8-4.0, the prefill 726-784
+ * The routed experts' slots too, against those two (the same runs after the above): 32 decodes 36.2-38.5 -> 31.8-33.7, one decode 4.4-4.7 -> 3.8-4.0, the prefill 726-784
  * -> 659-739; alone (cold, 704 experts, 2 threads), 2-4 tokens read them at 26-29 GB/s where
  * streaming their rows read 18-22. The bf16 build's experts (3 alternating runs): 32 decodes
  * 27.2-27.9 -> 23.3-25.3, one decode 3.9-4.3 -> 4.0-4.5 (within the noise of these runs). */
@@ -377,12 +242,11 @@ static void panel_cols(const float *X, int64_t ldx, const wt *P, int64_t k, floa
 /* ---- native bf16 dot products (AVX512-BF16): Y = X @ W with X rounded to bf16 ------------ *
  * vdpbf16ps adds a pair of bf16 products into each fp32 lane: lane c gets W[i, c] x[i] +
  * W[i + 1, c] x[i + 1], the rows taken in pairs (a zero row after an odd k). Each output column is
- * that one chain of pairs in row order from zero whichever kernel sums it (dot_stream for up to
- * DP_STREAM_T tokens, dot_rows for more), so a row's result does not depend on the rows beside
- * it. X is rounded to bf16 (nearest even) once per call, as a bf16 GEMM's input is; the sums stay
- * fp32. The linear weights and the routed experts take them from panels of row pairs packed at
- * load (`panel_cols`, below), the heads' absorbed slices from rows (`matmul_cols`), each product
- * kind one arithmetic for every batch.
+ * that one chain of pairs in row order from zero whichever tile sums it, so a row's result does
+ * not depend on the rows beside it. X is rounded to bf16 (nearest even) once per call, as a bf16
+ * GEMM's input is; the sums stay fp32. Every product takes them from panels of row pairs packed at
+ * load (`panel_cols`, below): the linear weights, the routed experts and the heads' absorbed
+ * slices.
  * Measured on `small` (a 2-core Zen 4 VM, bf16, 2 threads, forward ms, 3 alternating runs): 32
  * decodes at context 320 28.7-31.8 -> 24.5-27.3, one decode 4.75-5.10 -> 4.57-4.60. The products
  * alone (cold W, us): 32 tokens, 512 x 256, 120 -> 73, 512 x 1536 796 -> 517; warm, 1-4 tokens,
@@ -390,12 +254,6 @@ static void panel_cols(const float *X, int64_t ldx, const wt *P, int64_t k, floa
  * 10-30% slower than the widening stream read them row by row, and with them the whole step was
  * no faster (28.9-30.8 against 26.9-29.8 ms): they take dot products since their slots are packed
  * into panels of pairs at load. */
-enum {
-    DP_CHUNK = 32,     /* the columns one pair of rows fills: two registers of 16 lanes */
-    DP_AHEAD = 8192,   /* bytes of W fetched ahead by dot_stream */
-    DP_STREAM_T = 4,   /* at most this many tokens stream W (dot_stream) */
-};
-
 /* xb [T, kp] = X [T, k] rounded to bf16, each row padded with zeros to kp (k rounded up to even) */
 static void round_rows(const float *X, int64_t ldx, int64_t T, int64_t k, int64_t kp,
                        uint16_t *xb) {
@@ -437,116 +295,6 @@ static inline void store_chunk(float *y, __m512 lo, __m512 hi, int64_t n) {
     if (n > 16) _mm512_mask_storeu_ps(y + 16, (__mmask16)((1u << (n - 16)) - 1), b);
 }
 
-/* Y[t, c : c + 32 NB] for T tokens, the sums in registers over all of k: rows i and i + 1 of W
- * are loaded once for all T tokens and interleaved into pairs. */
-static inline __attribute__((always_inline)) void dot_block(
-    const uint16_t *xb, int64_t kp, const uint16_t *W, int64_t ldw, float *Y, int64_t ldy,
-    int64_t k, int64_t c, int64_t c1, const int T, const int NB) {
-    __m512 acc[8][4][2];
-    __mmask32 mask[4];
-    _Pragma("GCC unroll 8") for (int t = 0; t < T; t++)
-        _Pragma("GCC unroll 4") for (int b = 0; b < NB; b++) acc[t][b][0] = acc[t][b][1] = _mm512_setzero_ps();
-    _Pragma("GCC unroll 4") for (int b = 0; b < NB; b++) mask[b] = cols_mask(c1 - c - 32 * b);
-    const int64_t ahead = (DP_AHEAD / (ldw * 2) + 1) / 2 * 2 + 2;
-    for (int64_t i = 0; i < k; i += 2) {
-        const uint16_t *w = W + i * ldw + c;
-        if (i + ahead < k)
-            _Pragma("GCC unroll 4") for (int b = 0; b < NB; b++) {
-                __builtin_prefetch(w + ahead * ldw + 32 * b);
-                __builtin_prefetch(w + (ahead + 1) * ldw + 32 * b);
-            }
-        __m512bh x[8];
-        _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) x[t] = x_pair(xb + t * kp, i);
-        _Pragma("GCC unroll 4") for (int b = 0; b < NB; b++) {
-            const __m512i r0 = _mm512_maskz_loadu_epi16(mask[b], w + 32 * b);
-            const __m512i r1 = i + 1 < k ? _mm512_maskz_loadu_epi16(mask[b], w + ldw + 32 * b)
-                                         : _mm512_setzero_si512();
-            const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(r0, r1);
-            const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
-            _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) {
-                acc[t][b][0] = _mm512_dpbf16_ps(acc[t][b][0], lo, x[t]);
-                acc[t][b][1] = _mm512_dpbf16_ps(acc[t][b][1], hi, x[t]);
-            }
-        }
-    }
-    _Pragma("GCC unroll 8") for (int t = 0; t < T; t++)
-        _Pragma("GCC unroll 4") for (int b = 0; b < NB; b++) {
-            const int64_t left = c1 - c - 32 * b;
-            if (left > 0) store_chunk(Y + t * ldy + c + 32 * b, acc[t][b][0], acc[t][b][1], left);
-        }
-}
-
-/* Y[t, c0:c1] for t < T <= DP_STREAM_T, W read once in memory order, a pair of rows at a time
- * (the next rows fetched DP_AHEAD bytes on), its chunks summed into each token's row of `acc` (in
- * L1, in the unpack order of the lanes), stored in column order at the end: cold weights read by
- * a few tokens are bound by the reading, which one sequential stream does fastest. */
-static inline __attribute__((always_inline)) void dot_stream_n(
-    const uint16_t *xb, int64_t kp, const uint16_t *W, int64_t ldw, float *Y, int64_t ldy,
-    const int T, int64_t k, int64_t c0, int64_t c1) {
-    const int64_t width = c1 - c0, chunks = (width + DP_CHUNK - 1) / DP_CHUNK;
-    const int64_t row_bytes = ldw * (int64_t)sizeof(uint16_t);
-    const int64_t ahead = k * row_bytes <= 4 * DP_AHEAD ? 0 : (DP_AHEAD / row_bytes + 1) / 2 * 2 + 2;
-    enum { ACC_ON_STACK = DP_STREAM_T * 1024 };
-    __m512 on_stack[ACC_ON_STACK / 16];
-    __m512 *acc = T * chunks * 2 <= ACC_ON_STACK / 16 ? on_stack : aligned_alloc(64, sizeof(__m512) * T * chunks * 2);
-    if (!acc) abort();
-    for (int64_t j = 0; j < T * chunks * 2; j++) acc[j] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < ahead && i < k; i++) fetch(W + i * ldw + c0, width);
-    for (int64_t i = 0; i < k; i += 2) {
-        const uint16_t *w = W + i * ldw + c0;
-        if (ahead && i + ahead + 1 < k) fetch(w + ahead * ldw, 2 * width);
-        __m512bh x[DP_STREAM_T];
-        _Pragma("GCC unroll 4") for (int t = 0; t < T; t++) x[t] = x_pair(xb + t * kp, i);
-        for (int64_t j = 0; j < chunks; j++) {
-            const __mmask32 m = cols_mask(width - DP_CHUNK * j);
-            const __m512i r0 = _mm512_maskz_loadu_epi16(m, w + DP_CHUNK * j);
-            const __m512i r1 = i + 1 < k ? _mm512_maskz_loadu_epi16(m, w + ldw + DP_CHUNK * j)
-                                         : _mm512_setzero_si512();
-            const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(r0, r1);
-            const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
-            __m512 *a = acc + 2 * j;
-            _Pragma("GCC unroll 4") for (int t = 0; t < T; t++) {
-                a[2 * chunks * t] = _mm512_dpbf16_ps(a[2 * chunks * t], lo, x[t]);
-                a[2 * chunks * t + 1] = _mm512_dpbf16_ps(a[2 * chunks * t + 1], hi, x[t]);
-            }
-        }
-    }
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t j = 0; j < chunks; j++)
-            store_chunk(Y + t * ldy + c0 + DP_CHUNK * j, acc[(t * chunks + j) * 2],
-                        acc[(t * chunks + j) * 2 + 1], width - DP_CHUNK * j);
-    if (acc != on_stack) free(acc);
-}
-
-static void dot_stream(const uint16_t *xb, int64_t kp, const uint16_t *W, int64_t ldw, float *Y,
-                       int64_t ldy, int64_t T, int64_t k, int64_t c0, int64_t c1) {
-    switch (T) {
-    case 1: dot_stream_n(xb, kp, W, ldw, Y, ldy, 1, k, c0, c1); break;
-    case 2: dot_stream_n(xb, kp, W, ldw, Y, ldy, 2, k, c0, c1); break;
-    case 3: dot_stream_n(xb, kp, W, ldw, Y, ldy, 3, k, c0, c1); break;
-    default: dot_stream_n(xb, kp, W, ldw, Y, ldy, 4, k, c0, c1); break;
-    }
-}
-
-/* Y[t, c0:c1] for t < T, 4 tokens at a time (then the rest), by register blocks (dot_block)
- * as wide as the registers allow: many tokens' products are bound by the arithmetic. */
-static void dot_rows(const uint16_t *xb, int64_t kp, const uint16_t *W, int64_t ldw, float *Y,
-                     int64_t ldy, int64_t T, int64_t k, int64_t c0, int64_t c1) {
-    for (int64_t t0 = 0; t0 < T; t0 += 4) {
-        const int64_t n = MIN(4, T - t0);
-        const uint16_t *x = xb + t0 * kp;
-        float *y = Y + t0 * ldy;
-        for (int64_t c = c0; c < c1;) {
-            switch (n) {
-            case 1: dot_block(x, kp, W, ldw, y, ldy, k, c, c1, 1, 4), c += 128; break;
-            case 2: dot_block(x, kp, W, ldw, y, ldy, k, c, c1, 2, 4), c += 128; break;
-            case 3: dot_block(x, kp, W, ldw, y, ldy, k, c, c1, 3, 2), c += 64; break;
-            default: dot_block(x, kp, W, ldw, y, ldy, k, c, c1, 4, 2), c += 64; break;
-            }
-        }
-    }
-}
-
 /* Panels of row pairs (this build's layout of the linear weights and the experts, pd_pack): W
  * [k, n] as groups of 4 panels of 16 columns, one group after another, each group its ceil(k / 2)
  * pairs of rows i, i + 1 interleaved column by column ([n64 / 64][kp / 2][64][2], zero-padded), so
@@ -557,7 +305,7 @@ static void dot_rows(const uint16_t *xb, int64_t kp, const uint16_t *W, int64_t 
  * decodes (18.5-23.8 against 19.6-21.3) and one (3.8-4.2 against 3.7-4.2) within the noise, the
  * experts being bound by reading their weights there. The hidden states' error against the fp32
  * torch path (a random model, 3 sequences) max 0.0034 -> 0.0053, mean 0.00053 -> 0.00062.
- * The linear weights too, against dot_stream / dot_rows over their rows (3 alternating runs):
+ * The linear weights too, against dot products over their rows (3 alternating runs):
  * one decode 3.41-3.72 -> 2.52-2.92 ms, 32 decodes at context 320 20.2-22.4 -> 19.1-20.1 (the
  * attention projections and the dense MLP 25-45% faster, the lm head ~1.3 ms), a prefill of 8 x
  * 256 tokens 536-583 -> 524-557. Groups of 4 panels, against panels one after another (each
@@ -683,39 +431,6 @@ static void panel_cols(const float *X, int64_t ldx, const uint16_t *P, int64_t k
 }
 #endif
 
-/* Y[t, c0:c1] = X[t, :k] @ W[:k, c0:c1] for t < T (single-threaded), W [k, n] row-major, its
- * elements widened to fp32: up to STREAM_MAX_T tokens stream W's rows (stream_rows), more go by
- * panels packed per call (matmul_panels). The heads' absorbed slices, and the bf16 build's dense
- * weights on a CPU without bf16 dot products (a build with them has no use for it). */
-static __attribute__((unused)) void widened_cols(const float *X, int64_t ldx, const wt *W,
-                                                 int64_t ldw, float *Y, int64_t ldy, int64_t T,
-                                                 int64_t k, int64_t c0, int64_t c1) {
-    if (T <= STREAM_MAX_T)
-        stream_rows(X, ldx, W, ldw, Y, ldy, T, k, c0, c1);
-    else
-        matmul_panels(X, ldx, W, ldw, Y, ldy, T, k, c0, c1);
-}
-
-/* The same for every other product: by native bf16 dot products where the build has them. */
-static void matmul_cols(const float *X, int64_t ldx, const wt *W, int64_t ldw, float *Y,
-                        int64_t ldy, int64_t T, int64_t k, int64_t c0, int64_t c1) {
-#ifdef PD_DP
-    enum { X_ON_STACK = 8192 };
-    const int64_t kp = (k + 1) / 2 * 2;
-    uint16_t on_stack[X_ON_STACK];
-    uint16_t *xb = T * kp <= X_ON_STACK ? on_stack : malloc(sizeof(uint16_t) * T * kp);
-    if (!xb) abort();
-    round_rows(X, ldx, T, k, kp, xb);
-    if (T <= DP_STREAM_T)
-        dot_stream(xb, kp, W, ldw, Y, ldy, T, k, c0, c1);
-    else
-        dot_rows(xb, kp, W, ldw, Y, ldy, T, k, c0, c1);
-    if (xb != on_stack) free(xb);
-#else
-    widened_cols(X, ldx, W, ldw, Y, ldy, T, k, c0, c1);
-#endif
-}
-
 /* One product of a `matmuls` call: Y [T, n] = X @ W [k, n] (a dense weight). */
 typedef struct {
     const wt *W;
@@ -734,7 +449,7 @@ static void matmuls(const float *X, int64_t T, int64_t k, const mm_job *jobs, in
     int64_t macs = 0;
     for (int j = 0; j < njobs; j++) macs += T * k * jobs[j].n;
     const int threads = nt > 1 && macs >= PAR_MIN_MACS ? nt : 1;
-    const int parts = T <= STREAM_MAX_T && njobs >= threads ? 1 : threads; /* per job */
+    const int parts = T <= 8 && njobs >= threads ? 1 : threads; /* per job */
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int64_t item = 0; item < (int64_t)njobs * parts; item++) {
         const mm_job *job = jobs + item / parts;
@@ -1328,7 +1043,7 @@ static void attention(const pd_dims *d, const pd_layer *l, const pd_batch *b, kt
                     memcpy(qn + i * N, qh + ab[i] * QW, N * sizeof(float));
                 qh = qn, ldq = N;
             }
-            matmul_cols(qh, ldq, l->w_uk + hd * N * L, L, qcat + hd * E, H * E, A, N, 0, L);
+            panel_cols(qh, ldq, l->w_uk + hd * panels_elems(N, L), N, qcat + hd * E, H * E, A, 0, L);
             for (int64_t i = 0; i < A; i++) {
                 float *qr = qcat + (i * H + hd) * E + L;
                 const int64_t pos = b->positions[ab[i]];
@@ -1396,8 +1111,8 @@ static void attention(const pd_dims *d, const pd_layer *l, const pd_batch *b, kt
 #endif
 #pragma omp for schedule(static)
         for (int64_t hd = 0; hd < H; hd++) /* values: latent [L] @ w_uv[h] [L, V] */
-            matmul_cols(qcat + hd * E, H * E, l->w_uv + hd * L * V, V, o + hd * V, H * V, A, L, 0,
-                        V);
+            panel_cols(qcat + hd * E, H * E, l->w_uv + hd * panels_elems(L, V), L, o + hd * V,
+                       H * V, A, 0, V);
     }
     for (int64_t i = A - 1; packed && i >= 0; i--) /* to the tokens' rows (ab[i] >= i) */
         memmove(o + ab[i] * H * V, o + i * H * V, H * V * sizeof(float));
@@ -1622,5 +1337,5 @@ int pd_matmul(const float *X, const float *X2, const wt *W, float *Y, int64_t T,
 int64_t pd_panels_size(int64_t k, int64_t n) { return panels_elems(k, n); }
 
 /* out [pd_panels_size(k, n)] = W [k, n] in the build's panels (the linear weights in the build's
- * dtype, the experts' slots). */
+ * dtype, the experts' slots, the heads' absorbed slices). */
 void pd_pack(const wt *W, int64_t k, int64_t n, wt *out) { pack_panels(W, k, n, out); }
