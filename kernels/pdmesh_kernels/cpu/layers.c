@@ -846,6 +846,58 @@ static void matmul_f32(const float *X, const float *W, float *Y, int64_t T, int6
 }
 #endif
 
+#ifdef __AVX512F__
+/* exp_nonpositive in 16 lanes, the same steps to the same bits: the floor by rounding down, the
+ * 2^n by scalef. */
+static inline __m512 exp16_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 y = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+    const __m512 nf = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fmadd_ps(nf, _mm512_set1_ps(2.12194440e-4f),
+                                     _mm512_fnmadd_ps(nf, _mm512_set1_ps(0.693359375f), x));
+    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.9875691500e-4f), _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, nf);
+}
+
+/* s[:n] = exp(scale s - max) in place (a row's softmax numerators); returns their sum. 16 lanes
+ * at a time, a short tail masked; the numerators are those of the 8-lane form below bit for bit,
+ * the sum adds them in another order. 1,536 rows of 320 (a step's rows of `small` for one of 2
+ * threads), alone: 315-358 -> 161 us; `small` bf16, 32 decodes at context 320, the two forms
+ * alternating forward by forward: 0.13-0.65 ms a forward less (4 rounds). */
+static float softmax_numerators(float *s, int64_t n, float scale) {
+    const __m512 scale16 = _mm512_set1_ps(scale);
+    const __mmask16 tail = (__mmask16)((1u << (n % 16)) - 1);
+    const int64_t whole = n / 16 * 16;
+    __m512 top = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < whole; i += 16) {
+        const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(s + i), scale16);
+        _mm512_storeu_ps(s + i, v);
+        top = _mm512_max_ps(top, v);
+    }
+    if (tail) {
+        const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + whole), scale16);
+        _mm512_mask_storeu_ps(s + whole, tail, v);
+        top = _mm512_mask_max_ps(top, tail, top, v);
+    }
+    const __m512 best = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    for (int64_t i = 0; i < whole; i += 16) {
+        const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + i), best));
+        _mm512_storeu_ps(s + i, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    if (tail) {
+        const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + whole), best));
+        _mm512_mask_storeu_ps(s + whole, tail, e);
+        sum = _mm512_mask_add_ps(sum, tail, sum, e);
+    }
+    return _mm512_reduce_add_ps(sum);
+}
+#else
 /* s[:n] = exp(scale s - max) in place (a row's softmax numerators); returns their sum. The max 8
  * lanes at a time (exact in any order), the sum in 8 lanes, then across them (hsum). */
 static float softmax_numerators(float *s, int64_t n, float scale) {
@@ -874,6 +926,7 @@ static float softmax_numerators(float *s, int64_t n, float scale) {
     for (int64_t k = 0; i + k < n; k++) sum[k] += s[i + k] = tail[k];
     return hsum(sum);
 }
+#endif
 
 /* ---------------------------------------------------------------- attention ---------------- */
 typedef struct {
