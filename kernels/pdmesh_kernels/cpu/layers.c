@@ -1211,7 +1211,7 @@ static void swiglu(const float *x, const wt *gate, const wt *up, const wt *down,
 
 /* Top `k` of v[n] (largest first, lower index on ties) into idx: one pass, each value placed in
  * the sorted list of the best so far (after its equals). */
-static void top_indices(const float *v, int64_t n, int64_t k, int64_t *idx) {
+static void top_indices_scan(const float *v, int64_t n, int64_t k, int64_t *idx) {
     int64_t have = 0;
     for (int64_t i = 0; i < n; i++) {
         int64_t p = have;
@@ -1221,6 +1221,45 @@ static void top_indices(const float *v, int64_t n, int64_t k, int64_t *idx) {
         for (int64_t m = have - 1; m > p; m--) idx[m] = idx[m - 1];
         idx[p] = i;
     }
+}
+
+/* top_indices_scan's choice by k sweeps of 16 lanes where the CPU has AVX-512 (n <= 512): the
+ * largest value not yet taken, then the lowest untaken index holding it. No data-dependent branch
+ * per value, where the scan mispredicts its insertions. A 32-decode step's picks of `small` (352
+ * tokens' top 2 of each group of 8 and top 4 of 64), one thread: 277-298 -> 52-60 us; the same
+ * indices for 2.68M random picks with ties, infinities and signed zeros. */
+static void top_indices(const float *v, int64_t n, int64_t k, int64_t *idx) {
+#ifdef __AVX512F__
+    enum { MOST = 512 };
+    if (n <= MOST) {
+        __mmask16 taken[MOST / 16] = {0};
+        const int64_t chunks = (n + 15) / 16;
+        for (int64_t j = 0; j < MIN(k, n); j++) {
+            __m512 best = _mm512_set1_ps(-INFINITY);
+            for (int64_t c = 0; c < chunks; c++) {
+                const __mmask16 live = (n - 16 * c >= 16 ? 0xffff : (__mmask16)((1u << (n - 16 * c)) - 1)) & ~taken[c];
+                best = _mm512_mask_max_ps(best, live, best, _mm512_maskz_loadu_ps(live, v + 16 * c));
+            }
+            const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
+            int64_t at = -1;
+            for (int64_t c = 0; c < chunks && at < 0; c++) {
+                const __mmask16 live = (n - 16 * c >= 16 ? 0xffff : (__mmask16)((1u << (n - 16 * c)) - 1)) & ~taken[c];
+                const __mmask16 hit = _mm512_mask_cmp_ps_mask(live, _mm512_maskz_loadu_ps(live, v + 16 * c), top, _CMP_EQ_OQ);
+                if (hit) at = 16 * c + __builtin_ctz(hit);
+            }
+            if (at < 0) { /* NaN values only: the first untaken index */
+                for (int64_t c = 0; c < chunks && at < 0; c++) {
+                    const __mmask16 live = (n - 16 * c >= 16 ? 0xffff : (__mmask16)((1u << (n - 16 * c)) - 1)) & ~taken[c];
+                    if (live) at = 16 * c + __builtin_ctz(live);
+                }
+            }
+            taken[at / 16] |= (__mmask16)(1u << (at % 16));
+            idx[j] = at;
+        }
+        return;
+    }
+#endif
+    top_indices_scan(v, n, k, idx);
 }
 
 /* Router of one token: weights [K] and logical experts [K] (`work`: 3E floats). */
