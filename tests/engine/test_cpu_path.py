@@ -13,7 +13,9 @@
 - a forward on the C path runs a handful of aten ops whatever the layer count; batches above
   and every batch takes the C path; DEP (experts on other ranks) and
   `PDMESH_CPU_LAYERS=0` keep the torch path;
-- the library is compiled once into the kernel cache and loaded from there afterwards.
+- the library is compiled once into the kernel cache and loaded from there afterwards;
+- a MoE layer's expert table starts on a huge page and lies in huge pages, and every copy of the
+  weights the path reads is listed for the loader to advise.
 """
 
 from __future__ import annotations
