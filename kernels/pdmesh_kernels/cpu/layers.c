@@ -1235,28 +1235,23 @@ static void top_indices(const float *v, int64_t n, int64_t k, int64_t *idx) {
 #ifdef __AVX512F__
     enum { MOST = 512 };
     if (n <= MOST) {
-        __mmask16 taken[MOST / 16] = {0};
+        __mmask16 live[MOST / 16]; /* a chunk's lanes inside v and not taken yet */
         const int64_t chunks = (n + 15) / 16;
+        for (int64_t c = 0; c < chunks; c++)
+            live[c] = n - 16 * c >= 16 ? 0xffff : (__mmask16)((1u << (n - 16 * c)) - 1);
         for (int64_t j = 0; j < MIN(k, n); j++) {
             __m512 best = _mm512_set1_ps(-INFINITY);
-            for (int64_t c = 0; c < chunks; c++) {
-                const __mmask16 live = (n - 16 * c >= 16 ? 0xffff : (__mmask16)((1u << (n - 16 * c)) - 1)) & ~taken[c];
-                best = _mm512_mask_max_ps(best, live, best, _mm512_maskz_loadu_ps(live, v + 16 * c));
-            }
+            for (int64_t c = 0; c < chunks; c++)
+                best = _mm512_mask_max_ps(best, live[c], best, _mm512_maskz_loadu_ps(live[c], v + 16 * c));
             const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
             int64_t at = -1;
             for (int64_t c = 0; c < chunks && at < 0; c++) {
-                const __mmask16 live = (n - 16 * c >= 16 ? 0xffff : (__mmask16)((1u << (n - 16 * c)) - 1)) & ~taken[c];
-                const __mmask16 hit = _mm512_mask_cmp_ps_mask(live, _mm512_maskz_loadu_ps(live, v + 16 * c), top, _CMP_EQ_OQ);
+                const __mmask16 hit = _mm512_mask_cmp_ps_mask(live[c], _mm512_maskz_loadu_ps(live[c], v + 16 * c), top, _CMP_EQ_OQ);
                 if (hit) at = 16 * c + __builtin_ctz(hit);
             }
-            if (at < 0) { /* NaN values only: the first untaken index */
-                for (int64_t c = 0; c < chunks && at < 0; c++) {
-                    const __mmask16 live = (n - 16 * c >= 16 ? 0xffff : (__mmask16)((1u << (n - 16 * c)) - 1)) & ~taken[c];
-                    if (live) at = 16 * c + __builtin_ctz(live);
-                }
-            }
-            taken[at / 16] |= (__mmask16)(1u << (at % 16));
+            for (int64_t c = 0; c < chunks && at < 0; c++) /* NaN values only: the first untaken */
+                if (live[c]) at = 16 * c + __builtin_ctz(live[c]);
+            live[at / 16] &= (__mmask16)~(1u << (at % 16));
             idx[j] = at;
         }
         return;
