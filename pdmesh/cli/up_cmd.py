@@ -77,6 +77,14 @@ def register(commands: argparse._SubParsersAction) -> None:
     routing.add_argument("--prefill-routing", choices=["cache-aware", "least-loaded"])
     routing.add_argument("--local-prefill-tokens", metavar="off|auto|N")
     routing.add_argument("--decode-balance", choices=["requests", "kv-tokens"])
+    routing.add_argument(
+        "--max-queued",
+        type=int,
+        help="requests that may wait at the gateway; more get 429 at once (default: the gateway's)",
+    )
+    routing.add_argument(
+        "--max-queue-wait-s", type=float, help="also 429 past this estimated wait (default: none)"
+    )
     g = p.add_argument_group(
         "EPLB controller (started with the mesh; balances the experts of DEP instances)"
     )
@@ -129,9 +137,10 @@ def eplb_argv(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def gateway_argv(args: argparse.Namespace) -> tuple[str, ...]:
-    """The routing options given, as gateway arguments (the gateway checks them)."""
+    """The routing and queue options given, as gateway arguments (the gateway checks them)."""
     argv: tuple[str, ...] = ()
-    for name in ("prefill_routing", "local_prefill_tokens", "decode_balance"):
+    names = ("prefill_routing", "local_prefill_tokens", "decode_balance", "max_queued")
+    for name in (*names, "max_queue_wait_s"):
         value = getattr(args, name, None)
         if value is not None:
             argv += ("--" + name.replace("_", "-"), str(value))

@@ -5,13 +5,19 @@ duplicate names)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pdmesh_gateway.admission import PrefillAdmission, Shed
 from pdmesh_gateway.progress import RequestProgress
 from pdmesh_service.errors import MeshError
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+LAG_TICK_S, LAG_WINDOW_S = 0.05, 1.0  # the loop-lag probe's period, and its max gauge's window
 
 
 class GatewayMetrics:
@@ -86,6 +92,61 @@ class GatewayMetrics:
             "Prompt tokens served from a prefix cache",
             registry=registry,
         )
+
+        self._init_overload(registry)
+
+    def _init_overload(self, registry: CollectorRegistry) -> None:
+        self.requests_shed = Counter(
+            "pdmesh_gateway_requests_shed",
+            "Requests refused at once with 429 because the gateway's queue was full (reason "
+            "full) or its estimated wait over --max-queue-wait-s (reason wait)",
+            ["reason"],
+            registry=registry,
+        )
+        self.max_queued = Gauge(
+            "pdmesh_gateway_max_queued",
+            "Requests that may wait at the gateway for a prefill slot (--max-queued)",
+            registry=registry,
+        )
+        self.queue_wait = Gauge(
+            "pdmesh_gateway_queue_wait_estimate_seconds",
+            "Estimated wait for a prefill slot of a request arriving now (0: not known yet)",
+            registry=registry,
+        )
+        self.loop_lag = Histogram(
+            "pdmesh_gateway_event_loop_lag_seconds",
+            f"How late the gateway's event loop ran a {LAG_TICK_S:g}s timer",
+            registry=registry,
+            buckets=_LAG_BUCKETS,
+        )
+        self.loop_lag_max = Gauge(
+            "pdmesh_gateway_event_loop_lag_max_seconds",
+            f"The largest event-loop lag over the last {LAG_WINDOW_S:g}s window",
+            registry=registry,
+        )
+
+    def watch_queue(self, admission: PrefillAdmission) -> None:
+        """The queue gauges read `admission` at each scrape."""
+        self.max_queued.set_function(lambda: admission.max_queued)
+        self.queue_wait.set_function(lambda: admission.estimated_wait_s() or 0.0)
+
+    def shed(self, error: Shed) -> None:
+        self.requests_shed.labels(reason=error.reason).inc()
+
+    async def watch_loop_lag(self) -> None:
+        """Forever: how late a `LAG_TICK_S` timer fires is the event loop's lag (what every token
+        relayed waits for); the histogram takes each, the gauge each window's largest."""
+        loop = asyncio.get_running_loop()
+        window_end, worst = time.monotonic() + LAG_WINDOW_S, 0.0
+        while True:
+            start = loop.time()
+            await asyncio.sleep(LAG_TICK_S)
+            lag = max(loop.time() - start - LAG_TICK_S, 0.0)
+            self.loop_lag.observe(lag)
+            worst = max(worst, lag)
+            if time.monotonic() >= window_end:
+                self.loop_lag_max.set(worst)
+                window_end, worst = time.monotonic() + LAG_WINDOW_S, 0.0
 
     def rejected(self, error: MeshError) -> None:
         """A request refused before generation (validation, unknown model)."""

@@ -24,7 +24,7 @@ import itertools
 from collections.abc import AsyncGenerator
 
 from pdmesh_engine.tokenizer import Tokenizer
-from pdmesh_gateway.admission import PrefillAdmission
+from pdmesh_gateway.admission import PrefillAdmission, QueueLimits, Shed
 from pdmesh_gateway.core import GenerationEvent, GenerationRequest, WorkerChunk
 from pdmesh_gateway.metrics import GatewayMetrics
 from pdmesh_gateway.migration import (
@@ -81,6 +81,7 @@ class Orchestrator:
         max_migrations: int = DEFAULT_MAX_MIGRATIONS,
         unroutable_wait_s: float = DEFAULT_UNROUTABLE_WAIT_S,
         routing: RoutingConfig = RoutingConfig(),
+        queue_limits: QueueLimits = QueueLimits(),
         workers: WorkerClient | None = None,  # default: one without mesh credentials
     ) -> None:
         if max_migrations < 0:
@@ -102,8 +103,10 @@ class Orchestrator:
             max_prefill_inflight=max_prefill_inflight,
             unroutable_wait_s=unroutable_wait_s,
             routing=routing,
+            queue_limits=queue_limits,
         )
         self.active = 0
+        metrics.watch_queue(self.starter.admission)
 
     @property
     def waiting(self) -> int:
@@ -121,6 +124,15 @@ class Orchestrator:
             await asyncio.sleep(0.01)
         await background.close()
         await self.starter.workers.close()
+
+    def check_queue(self) -> None:
+        """`Shed` (429, counted) when a new request may not join the gateway's queue now: the
+        front doors ask before they read the request, so shedding costs next to nothing."""
+        try:
+            self.starter.admission.check_room()
+        except Shed as e:
+            self.metrics.shed(e)
+            raise
 
     def is_routable(self) -> bool:
         """Whether requests can be served now (a ready decode rank; prefill is optional)."""
@@ -166,6 +178,8 @@ class Orchestrator:
                 yield event
         except errors.MeshError as e:
             status = e.error_type
+            if isinstance(e, Shed):
+                self.metrics.shed(e)
             raise
         finally:
             self.active -= 1

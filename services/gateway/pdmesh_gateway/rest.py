@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pdmesh_engine.tokenizer import Tokenizer
+from pdmesh_gateway.admission import PrefillAdmission, Shed
 from pdmesh_gateway.auth import ApiKeyMiddleware
 from pdmesh_gateway.core import GenerationEvent, GenerationResult, ModelInfo
 from pdmesh_gateway.openai_api import (
@@ -115,12 +116,25 @@ def routing_view(starter: Starter) -> dict[str, Any]:
     }
 
 
+def queue_view(admission: PrefillAdmission) -> dict[str, Any]:
+    wait = admission.estimated_wait_s()
+    return {
+        "queued": admission.waiting,
+        "max_queued": admission.max_queued,
+        "max_queue_wait_s": admission.limits.max_wait_s,
+        "estimated_wait_s": None if wait is None else round(wait, 3),
+        "shed": dict(admission.num_shed),
+    }
+
+
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 def error_response(error: MeshError) -> JSONResponse:
-    return JSONResponse(error_body(error), status_code=error.http_status)
+    """The OpenAI error shape; a shed request's answer says when to retry (`Retry-After`)."""
+    headers = {"Retry-After": error.retry_after_header} if isinstance(error, Shed) else None
+    return JSONResponse(error_body(error), status_code=error.http_status, headers=headers)
 
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20  # a request body over this is refused with 413
@@ -252,6 +266,7 @@ class _Handlers:
         self, request: Request, parse: Callable[[Any, Tokenizer, ModelInfo], OpenAIRequest]
     ) -> Response:
         try:
+            self.orchestrator.check_queue()  # shed before reading: a refusal costs next to nothing
             body = await _read_json(request, self.max_body_bytes)
             # Tokenizing a big prompt (and the chat template) takes long: off the event loop.
             api_request = await asyncio.to_thread(parse, body, self.tokenizer, self.model)
@@ -308,7 +323,9 @@ class _Handlers:
         load; `eplb`: what /mesh/eplb lists (expert placements per instance and model); `restarts`:
         per service that its supervisor restarted, how often, its last exit code and when (null
         while Redis cannot be read); `routing`: the routing settings, the local-prefill threshold in
-        force, the hand-off costs measured, and requests started per prefill path."""
+        force, the hand-off costs measured, and requests started per prefill path; `queue`: the
+        requests waiting for a prefill slot, the bounds, the estimated wait of a request arriving
+        now (null until slots were granted) and the requests shed per reason."""
         now_ms = int(time.time() * 1000)
         instances = [
             {**asdict(i), "age_ms": max(now_ms - i.updated_ms, 0)}
@@ -326,6 +343,7 @@ class _Handlers:
                 "eplb": await self.eplb() if self.eplb is not None else [],
                 "restarts": restarts,
                 "routing": routing_view(self.orchestrator.starter),
+                "queue": queue_view(self.orchestrator.admission),
             }
         )
 

@@ -10,6 +10,10 @@ Policy: only `ready` instances are routable.
   queue.)
 Ties are broken in turn: the first tied instance (by id) after the one picked last time for that
 role, so equal ranks take requests round robin. No candidate → `NoInstance` (503).
+
+Events instead of polling: `on_membership` callbacks run when the set of ready ranks changes,
+`departure(id)` is a future resolved once that rank is gone (`is_live` turned false), and
+`next_view()` one resolved at the next view; so nothing waiting on the mesh wakes per waiter.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from contextlib import suppress
 
 from pdmesh_gateway.routing import DecodeBalance
 from pdmesh_service.errors import Unavailable
@@ -56,9 +61,14 @@ class Router:
         self._sent: dict[str, list[tuple[int, int]]] = {}
         self._prefill_in_flight: dict[str, int] = {}
         self._last: dict[Role, str] = {}  # role -> id picked last
+        self._membership: frozenset[tuple[str, Role]] = frozenset()  # the ready ranks
+        self._on_membership: list[Callable[[], None]] = []
+        self._departures: dict[str, asyncio.Future[None]] = {}
+        self._next_view: asyncio.Future[None] | None = None
 
     def update(self, instances: Iterable[InstanceInfo]) -> None:
-        """Replace the view with the registry's; forget sends that the new heartbeats include."""
+        """Replace the view with the registry's; forget sends that the new heartbeats include;
+        then tell whoever waits on the mesh what changed."""
         self._instances = sorted(instances, key=lambda i: i.instance_id)
         now = self._updated = time.monotonic()
         self._seen.update((i.instance_id, now) for i in self._instances if i.ready)
@@ -66,6 +76,41 @@ class Router:
         self._sent = {
             k: [(t, n) for t, n in v if t > stamps[k]] for k, v in self._sent.items() if k in stamps
         }
+        self._notify()
+
+    def _notify(self) -> None:
+        membership = frozenset((i.instance_id, i.role) for i in self._instances if i.ready)
+        if membership != self._membership:
+            self._membership = membership
+            for callback in list(self._on_membership):
+                callback()
+        for instance_id in [i for i in self._departures if not self.is_live(i)]:
+            _resolve(self._departures.pop(instance_id))
+        if self._next_view is not None:
+            _resolve(self._next_view)
+            self._next_view = None
+
+    def on_membership(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` whenever a rank becomes ready or stops being ready (or registered)."""
+        self._on_membership.append(callback)
+
+    def departure(self, instance_id: str) -> asyncio.Future[None]:
+        """A future resolved once the rank is gone (`is_live` false at a view); done already if it
+        is gone now. Shared by every caller: await it through `asyncio.wait`, never cancel it."""
+        future = self._departures.get(instance_id)
+        if future is None:
+            future = asyncio.get_running_loop().create_future()
+            if self.is_live(instance_id):
+                self._departures[instance_id] = future
+            else:
+                future.set_result(None)
+        return future
+
+    def next_view(self) -> asyncio.Future[None]:
+        """A future resolved when the next view arrives (shared, as `departure`'s)."""
+        if self._next_view is None:
+            self._next_view = asyncio.get_running_loop().create_future()
+        return self._next_view
 
     def snapshot(self) -> list[InstanceInfo]:
         return list(self._instances)
@@ -128,6 +173,11 @@ class Router:
             self._prefill_in_flight[instance_id] = left
         else:
             self._prefill_in_flight.pop(instance_id, None)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    with suppress(asyncio.InvalidStateError, RuntimeError):  # cancelled, or its loop closed
+        future.set_result(None)
 
 
 async def refresh_forever(

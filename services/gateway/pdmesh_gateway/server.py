@@ -19,6 +19,7 @@ from prometheus_client import REGISTRY
 
 from pdmesh_engine.config import ModelConfig
 from pdmesh_engine.tokenizer import Tokenizer
+from pdmesh_gateway.admission import QUEUED_PER_SLOT, QueueLimits
 from pdmesh_gateway.auth import api_key_interceptor
 from pdmesh_gateway.core import ModelInfo
 from pdmesh_gateway.metrics import GatewayMetrics
@@ -73,6 +74,7 @@ class GatewayConfig:
     max_migrations: int = DEFAULT_MAX_MIGRATIONS  # continuations of a request after rank losses
     unroutable_wait_s: float = DEFAULT_UNROUTABLE_WAIT_S  # wait for a decode rank before 503
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    queue: QueueLimits = field(default_factory=QueueLimits)  # --max-queued, --max-queue-wait-s
     # REST /v1 and /mesh and the gRPC API need `Bearer <api_key>` (auth.py); "": open
     api_key: str = field(default="", repr=False)
 
@@ -182,6 +184,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_UNROUTABLE_WAIT_S,
         help="how long a request waits for a decode rank to be up (restarting) before 503",
     )
+    g.add_argument(
+        "--max-queued",
+        type=int,
+        default=None,
+        help="requests that may wait at the gateway for a prefill slot; more are refused at once "
+        f"with 429 and Retry-After (default: {QUEUED_PER_SLOT} x the slots of the ready prefill "
+        "ranks, --max-prefill-inflight each)",
+    )
+    g.add_argument(
+        "--max-queue-wait-s",
+        type=float,
+        default=None,
+        help="also refuse (429) a request whose estimated wait for a prefill slot, at the rate "
+        "slots were granted lately, is longer than this (default: no such bound)",
+    )
 
 
 def _add_api_key_arguments(p: argparse.ArgumentParser) -> None:
@@ -218,6 +235,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_migrations=args.max_migrations,
         unroutable_wait_s=args.unroutable_wait_s,
         routing=RoutingConfig(args.prefill_routing, args.local_prefill_tokens, args.decode_balance),
+        queue=QueueLimits(args.max_queued, args.max_queue_wait_s),
         api_key=api_key_from(args),
     )
 
@@ -279,6 +297,7 @@ async def serve(config: GatewayConfig, ready: asyncio.Event | None = None) -> No
         max_migrations=config.max_migrations,
         unroutable_wait_s=config.unroutable_wait_s,
         routing=config.routing,
+        queue_limits=config.queue,
         workers=WorkerClient(MeshAuth.from_config(common)),
     )
     servicer = GenerateServicer(orchestrator, tokenizer, model)
@@ -319,6 +338,7 @@ async def serve(config: GatewayConfig, ready: asyncio.Event | None = None) -> No
         asyncio.ensure_future(
             heartbeat_forever(registry, report, common.heartbeat_s, TTL_BEATS * common.heartbeat_s)
         ),
+        asyncio.ensure_future(metrics.watch_loop_lag()),
     ]
     try:
         await grpc_server.set_serving(True)

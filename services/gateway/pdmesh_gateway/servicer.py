@@ -101,6 +101,7 @@ class GenerateServicer(gateway_pb2_grpc.GenerateServicer):
 
     def _request(self, message: gateway_pb2.GenerateRequest) -> GenerationRequest:
         try:
+            self.orchestrator.check_queue()  # RESOURCE_EXHAUSTED at once when the queue is full
             return to_request(message, self.tokenizer, self.model)
         except MeshError as e:
             self.orchestrator.metrics.rejected(e)

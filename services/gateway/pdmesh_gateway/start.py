@@ -37,7 +37,7 @@ from typing import TypeVar
 
 from tenacity import AsyncRetrying, RetryCallState
 
-from pdmesh_gateway.admission import PrefillAdmission
+from pdmesh_gateway.admission import PrefillAdmission, QueueLimits
 from pdmesh_gateway.core import GenerationRequest
 from pdmesh_gateway.metrics import GatewayMetrics
 from pdmesh_gateway.migration import tried
@@ -78,7 +78,6 @@ DEFAULT_MAX_PREFILL_INFLIGHT = 2
 DEFAULT_MAX_ATTEMPTS, RETRY_MAX_BACKOFF_S = 16, 1.0
 DEFAULT_UNROUTABLE_WAIT_S = 20.0  # how long a request waits for a decode rank when none is up
 RESERVE_TIMEOUT_S = 15.0  # a Reserve is one engine-thread command: longer means a stuck rank
-LIVENESS_POLL_S = 0.25  # how often an open call checks that its ranks are still registered
 
 
 class Path(StrEnum):
@@ -106,16 +105,15 @@ class Mode(StrEnum):
 async def while_live(router: Router, call: Awaitable[T], *instance_ids: str) -> T:
     """Await `call`, abandoned (`RankGone`) as soon as one of the ranks leaves the registry: a
     dead or paused rank never holds a request (nor its prefill admission slot) longer than its
-    registry TTL."""
+    registry TTL. Nothing polls: the router resolves the ranks' `departure` futures."""
     task = asyncio.ensure_future(call)
+    departures = [router.departure(i) for i in instance_ids]
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=LIVENESS_POLL_S)
-            if done:
-                return task.result()
-            gone = [i for i in instance_ids if not router.is_live(i)]
-            if gone:
-                raise RankGone(gone[0], f"{gone[0]} left the registry (not heartbeating)")
+        await asyncio.wait({task, *departures}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        gone = next(i for i, d in zip(instance_ids, departures, strict=True) if d.done())
+        raise RankGone(gone, f"{gone} left the registry (not heartbeating)")
     finally:
         if not task.done():
             task.cancel()
@@ -163,11 +161,13 @@ class Starter:
         max_prefill_inflight: int,
         unroutable_wait_s: float,
         routing: RoutingConfig,
+        queue_limits: QueueLimits = QueueLimits(),
     ) -> None:
         self.router, self.workers, self.metrics, self.mode = router, workers, metrics, mode
         self.request_timeout_s, self.retry_policy = request_timeout_s, retry_policy
         self.unroutable_wait_s, self.routing = unroutable_wait_s, routing
-        self.admission = PrefillAdmission(max_prefill_inflight)
+        self.admission = PrefillAdmission(max_prefill_inflight, queue_limits)
+        router.on_membership(lambda: self.admission.refresh(len(router.ready(Role.PREFILL))))
         self.lookup = PrefixLookup(router, workers, metrics, routing.lookup_timeout_s)
         self.handoffs = HandoffModel()
         self.background = Background()  # reservation releases nobody waits for
@@ -212,7 +212,9 @@ class Starter:
             while loop.time() < until:
                 if any(not excluded.blocks(i) for i in self.router.ready(Role.DECODE)):
                     return True
-                await asyncio.sleep(LIVENESS_POLL_S)
+                # a heartbeat lifts an exclusion: every view may bring a usable rank
+                next_view = self.router.next_view()
+                await asyncio.wait([next_view], timeout=until - loop.time())
         return False
 
     async def _start_retrying(
@@ -237,7 +239,8 @@ class Starter:
         )
 
         async def start_once() -> DecodeStream:
-            return await self._start_once(tried(request, next(tries)), deadline, excluded)
+            number = next(tries)  # 0: the request's first try, the only one the queue may shed
+            return await self._start_once(tried(request, number), deadline, excluded, number == 0)
 
         return await retrying(start_once)
 
@@ -266,7 +269,7 @@ class Starter:
         ]
 
     async def _start_once(
-        self, request: GenerationRequest, deadline: float, excluded: Exclusions
+        self, request: GenerationRequest, deadline: float, excluded: Exclusions, bounded: bool
     ) -> DecodeStream:
         path, decode = Path.AGG, None
         if self.mode is Mode.DISAGG:
@@ -275,7 +278,7 @@ class Starter:
             if decode is not None:
                 path = Path.LOCAL
             else:
-                stream = await self._start_remote(request, deadline, excluded, cached)
+                stream = await self._start_remote(request, deadline, excluded, cached, bounded)
                 if stream is not None:
                     return stream
         if decode is None:
@@ -324,13 +327,14 @@ class Starter:
         deadline: float,
         excluded: Exclusions,
         cached: dict[str, int],
+        bounded: bool,
     ) -> DecodeStream | None:
         """The disaggregated start on an admitted prefill rank; None when no prefill rank is
-        usable."""
+        usable. `bounded`: the queue may shed the request (its first try)."""
         choice = None
         if self.routing.prefill is PrefillRouting.CACHE_AWARE:
             choice = _PrefillChoice(self, len(request.prompt_ids), cached)
-        rank = await self._admit(request, deadline, excluded, choice)
+        rank = await self._admit(request, deadline, excluded, choice, bounded)
         if rank is None:
             return None
         stream = await self._start_disagg(
@@ -363,13 +367,17 @@ class Starter:
         deadline: float,
         excluded: Exclusions,
         choice: _PrefillChoice | None,
+        bounded: bool,
     ) -> str | None:
         """A slot of a ready prefill rank, FCFS (`PrefillAdmission`), of the rank `choice` picks
-        when given; None when no prefill rank is usable."""
+        when given; None when no prefill rank is usable; `Shed` at once when `bounded` and the
+        queue is full."""
         with self._waiting():
             try:
                 return await asyncio.wait_for(
-                    self.admission.acquire(lambda: self._prefill_ranks(request, excluded), choice),
+                    self.admission.acquire(
+                        lambda: self._prefill_ranks(request, excluded), choice, bounded=bounded
+                    ),
                     self._timeout(deadline),
                 )
             except TimeoutError:

@@ -124,7 +124,7 @@ async def _complete(orch: Orchestrator, model, tok, request_id: str, max_tokens:
 
 def test_admission_is_fcfs_per_rank_and_gives_back_cancelled_slots() -> None:
     async def main() -> None:
-        gate = PrefillAdmission(limit=2, recheck_s=0.01)
+        gate = PrefillAdmission(limit=2)
         ranks = lambda: ["p0", "p1"]  # noqa: E731
         assert [await gate.acquire(ranks) for _ in range(4)] == ["p0", "p1", "p0", "p1"]
         waiters = [asyncio.ensure_future(gate.acquire(ranks)) for _ in range(3)]

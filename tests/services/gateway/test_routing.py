@@ -128,7 +128,7 @@ def test_decode_balance_by_kv_tokens_counts_prompts_sent_since_the_heartbeat() -
 
 def test_admission_waits_for_the_chosen_rank_and_counts_its_queued_tokens() -> None:
     async def scenario() -> None:
-        gate = PrefillAdmission(limit=1, recheck_s=0.01)
+        gate = PrefillAdmission(limit=1)
         ranks = lambda: ["p0", "p1"]  # noqa: E731
         held = await gate.acquire(ranks, lambda rs: ("p0", 300))
         assert held == "p0" and gate.queued_tokens("p0") == 300
@@ -149,14 +149,15 @@ def test_admission_waits_for_the_chosen_rank_and_counts_its_queued_tokens() -> N
 
 def test_a_waiter_chooses_again_when_its_rank_goes_away() -> None:
     async def scenario() -> None:
-        gate = PrefillAdmission(limit=1, recheck_s=0.01)
+        gate = PrefillAdmission(limit=1)
         up = ["p0", "p1"]
         assert await gate.acquire(lambda: list(up), lambda rs: ("p0", 10)) == "p0"
         assert await gate.acquire(lambda: list(up), lambda rs: ("p1", 10)) == "p1"
         waiter = asyncio.ensure_future(gate.acquire(lambda: list(up), lambda rs: (rs[0], 99)))
         await asyncio.sleep(0.03)
         assert gate.queued_tokens("p0") == 109  # chose p0 (first of the usable ranks)
-        up.remove("p0")  # p0 left; p1 frees up
+        up.remove("p0")  # p0 left (the router's membership event); p1 frees up
+        gate.refresh(num_ranks=1)
         gate.release("p1", 10)
         assert await waiter == "p1"
         assert gate.queued_tokens("p0") == 10 and gate.queued_tokens("p1") == 99
@@ -166,7 +167,7 @@ def test_a_waiter_chooses_again_when_its_rank_goes_away() -> None:
 
 def test_a_cancelled_chooser_gives_its_queued_tokens_back() -> None:
     async def scenario() -> None:
-        gate = PrefillAdmission(limit=1, recheck_s=0.01)
+        gate = PrefillAdmission(limit=1)
         await gate.acquire(lambda: ["p0"], lambda rs: ("p0", 5))
         waiter = asyncio.ensure_future(gate.acquire(lambda: ["p0"], lambda rs: ("p0", 50)))
         await asyncio.sleep(0.03)
