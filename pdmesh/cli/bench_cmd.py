@@ -19,6 +19,7 @@ BENCHMARKS = (
     "chaos",
     "admission",
     "routing",
+    "overload",
 )
 
 
