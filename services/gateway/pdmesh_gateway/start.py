@@ -11,7 +11,8 @@ Contracts:
 - At most `max_prefill_inflight` requests per prefill rank are between Reserve and the end of their
   Prefill; the others wait at the gateway, before Reserve (`PrefillAdmission`), so decode blocks are
   never held for prompts queued in a prefill engine. A client that leaves while its request waits
-  there leaves no trace on any worker.
+  there leaves no trace on any worker. The queue is bounded: a request's first try is refused at
+  once (`Shed`, 429) when it is full; later tries and continuations are never refused.
 - Reserve answering RESOURCE_EXHAUSTED (pool short) is retried, other decode ranks first, with
   backoff, until the request's timeout (then `Overloaded`, 503).
 - The first token of the disaggregated path comes from PrefillResponse; it is shown only once
