@@ -63,6 +63,7 @@ from typing import Any
 import httpx
 
 from pdmesh_bench import overload_report as report
+from pdmesh_bench.lean_http import LeanClient
 from pdmesh_bench.overload_report import (
     GatewaySample,
     OverloadOptions,
@@ -91,6 +92,7 @@ SCRAPE_TIMEOUT_S = 5.0  # one GET /metrics or /mesh; a slower answer counts as a
 DEFAULT_RETRY_AFTER_S = 1.0  # the short client's wait after a 429 without Retry-After
 
 ClientFactory = Callable[[int], httpx.AsyncClient]  # connections -> a client
+LoadClientFactory = Callable[[int], httpx.AsyncClient | LeanClient]  # what sends the load
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -138,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
 
 def run_benchmark(o: OverloadOptions, make_client: ClientFactory | None = None) -> dict[str, Any]:
     """Validate, pin (`--client-cpus`), run; the results dict is what `--json` writes.
-    `make_client`: connections -> client (default: `serve.http_client` with `--timeout-s`)."""
+    `make_client`: connections -> client for every request (default: the load goes through the
+    `lean_http` client, the scrapes and `/v1/models` through `serve.http_client`)."""
     validate(o)
     if o.client_cpus is not None:
         pin_cpus(parse_cpus(o.client_cpus))
@@ -152,7 +155,9 @@ def run_benchmark(o: OverloadOptions, make_client: ClientFactory | None = None) 
     def default_client(connections: int) -> httpx.AsyncClient:
         return http_client(settings, connections)
 
-    return asyncio.run(_run(o, make_client or default_client))
+    if make_client is not None:
+        return asyncio.run(_run(o, make_client, make_client))
+    return asyncio.run(_run(o, partial(LeanClient, base_url(o.url)), default_client))
 
 
 # ----- the client process ----------------------------------------------------------------------
@@ -185,7 +190,7 @@ class Context:
 
     options: OverloadOptions
     url: str  # base URL, no /v1
-    client: httpx.AsyncClient
+    client: httpx.AsyncClient | LeanClient  # the load
     scrape_client: httpx.AsyncClient
     sender: Sender
     builder: PromptBuilder
@@ -285,14 +290,19 @@ async def send_short(ctx: Context, first_send: float) -> ShortRecord:
 # ----- the run ---------------------------------------------------------------------------------
 
 
-async def _run(o: OverloadOptions, make_client: ClientFactory) -> dict[str, Any]:
+async def _run(
+    o: OverloadOptions, make_load_client: LoadClientFactory, make_client: ClientFactory
+) -> dict[str, Any]:
     url = base_url(o.url)
-    async with make_client(o.max_inflight) as client, make_client(2) as scrape_client:
-        model, max_model_len = await fetch_model(client, url)
+    async with make_load_client(o.max_inflight) as client, make_client(2) as scrape_client:
+        model, max_model_len = await fetch_model(scrape_client, url)
         model = o.model or model
         if max_model_len and o.input_len + o.output_len > max_model_len:
             raise ValueError(f"--input-len + --output-len exceed max_model_len {max_model_len}")
-        sender = Sender(client, f"{url}/v1/completions", model, o.timeout_s, 0, progress_every=0)
+        # the request body (`Sender.body`) and its ignore_eos switch; the load goes through `client`
+        sender = Sender(
+            scrape_client, f"{url}/v1/completions", model, o.timeout_s, 0, progress_every=0
+        )
         vocab = (min(16, o.vocab_size - 1), o.vocab_size)
         ctx = Context(o, url, client, scrape_client, sender, PromptBuilder(1, o.seed, *vocab))
         if o.capacity_rps is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import os
 import time
 from dataclasses import dataclass, field
@@ -352,6 +353,9 @@ async def serve(config: GatewayConfig, ready: asyncio.Event | None = None) -> No
         )
         if ready is not None:
             ready.set()
+        # what start-up made (modules, tokenizer, channels) lives as long as the process: out of
+        # the collector's sight, so its full collections (every token waits on them) stay short
+        gc.freeze()
         done, _ = await asyncio.wait([http_task, *tasks], return_when=asyncio.FIRST_COMPLETED)
         for task in done:
             task.result()  # a component crashed: raise its error
