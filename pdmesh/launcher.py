@@ -43,6 +43,9 @@ REDIS_URL_ENV, MESH_TOKEN_ENV, API_KEY_ENV = (
 )
 
 
+DEFAULT_WORKER_NICE = 5
+
+
 @dataclass(frozen=True)
 class MeshOptions:
     model_dir: Path
@@ -68,8 +71,13 @@ class MeshOptions:
     restart_policy: RestartPolicy = RestartPolicy()  # max_restarts=0: a death stops the mesh
     mesh_token: str = field(default="", repr=False)  # shared by the services; "": a random one
     api_key: str = field(default="", repr=False)  # the gateway's API key; "": none
+    # the engine ranks' nice value: when they saturate the CPU, the front door and the control
+    # plane still run at once (their latency is every request's); 0: the same priority
+    worker_nice: int = DEFAULT_WORKER_NICE
 
     def __post_init__(self) -> None:
+        if not 0 <= self.worker_nice <= 19:
+            raise ValueError(f"--worker-nice must be in [0, 19], got {self.worker_nice}")
         if self.mode not in ("disagg", "agg"):
             raise ValueError(f"--mode must be disagg or agg, got {self.mode!r}")
         if self.num_decode < 1:
@@ -275,8 +283,11 @@ class Mesh:
                 env=self.environment(spec),
                 stdin=subprocess.DEVNULL,
                 process_group=0,
-                preexec_fn=die_with_parent(signal.SIGTERM),
+                preexec_fn=functools.partial(_child_setup, self._nice(spec)),
             )
+
+    def _nice(self, spec: ServiceSpec) -> int:
+        return self.options.worker_nice if spec.role in ("prefill", "decode") else 0
 
     def _wait_serving(self, spec: ServiceSpec, address: str, deadline: float) -> None:
         """Until `address` (one of the service's ranks) reports SERVING; raises if the process
@@ -394,3 +405,10 @@ class Mesh:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+
+
+def _child_setup(nice: int) -> None:
+    """In the child before exec: die with the launcher, then lower its priority by `nice`."""
+    die_with_parent(signal.SIGTERM)()
+    if nice:
+        os.nice(nice)

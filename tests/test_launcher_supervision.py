@@ -188,3 +188,26 @@ def test_the_thread_restarts_and_runs_the_shutdown_itself(units) -> None:
     ran_in: list[str] = []
     supervisor.stop(lambda: ran_in.append(threading.current_thread().name))
     assert ran_in == ["pdmesh-supervisor"]
+
+
+def test_engine_ranks_run_niced_and_the_control_plane_does_not(tmp_path) -> None:
+    import functools
+    import os
+    from pathlib import Path
+
+    from pdmesh.launcher import Mesh, MeshOptions, _child_setup, plan_mesh
+
+    mesh = Mesh(MeshOptions(Path("m"), worker_nice=7, log_dir=tmp_path))
+    nices = {s.role: mesh._nice(s) for s in plan_mesh(mesh.options)}
+    assert nices == {"kvstore": 0, "eplb": 0, "prefill": 7, "decode": 7, "gateway": 0}
+    base = os.nice(0)
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.nice(0))"],
+        preexec_fn=functools.partial(_child_setup, 7),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert int(child.stdout) == min(base + 7, 19)
+    with pytest.raises(ValueError, match="--worker-nice"):
+        MeshOptions(Path("m"), worker_nice=20)

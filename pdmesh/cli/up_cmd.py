@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from pdmesh.cli.options import resolve_model
+from pdmesh.launcher import DEFAULT_WORKER_NICE
 from pdmesh_service.supervision import RestartPolicy
 from pdmesh_service.worker.engine_options import (
     add_engine_options,
@@ -66,6 +67,13 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--redis-url", default=None, help="use this Redis (default: start a private one)"
     )
     p.add_argument("--deployment", default="default", help="namespace of this mesh's Redis keys")
+    p.add_argument(
+        "--worker-nice",
+        type=int,
+        default=DEFAULT_WORKER_NICE,
+        help="nice value of the prefill and decode ranks: when they saturate the CPU, the gateway "
+        "and the control plane still answer at once (0: same priority; default %(default)s)",
+    )
     p.add_argument(
         "--max-prefill-inflight",
         type=int,
@@ -174,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
         restart_policy=RestartPolicy(max_restarts=args.max_restarts),
         mesh_token=os.environ.get(MESH_TOKEN_ENV, ""),  # "": the launcher makes one
         api_key=args.api_key,
+        worker_nice=args.worker_nice,
     )
     if args.torch_threads is None:  # worker ranks share this machine's cores
         args.torch_threads = max(1, (os.cpu_count() or 1) // max(1, options.num_worker_processes))
