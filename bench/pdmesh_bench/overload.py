@@ -242,49 +242,38 @@ async def send_flood(ctx: Context, job: Job, record: Record) -> None:
     record.outcome, record.output_tokens = report.COMPLETED, result.output_tokens
 
 
-async def send_closed(ctx: Context, job: Job) -> Result:
-    """One closed-loop request as a polite client sends it: a 429 is tried again after its
-    Retry-After (so a full queue is not hammered); errors are recorded in the result."""
-    while True:
-        result = Result(job.index, time.perf_counter())
-        try:
-            shed = await asyncio.wait_for(attempt(ctx, job, result), ctx.options.timeout_s)
-        except (TimeoutError, httpx.HTTPError, StreamError, ValueError) as e:
-            result.error = f"{type(e).__name__}: {e}"[:300]
-            ctx.sender.errors.append(result.error)
-            return result
-        if shed is None:
-            result.ok = True
-            return result
-        await asyncio.sleep(
-            DEFAULT_RETRY_AFTER_S if shed.retry_after_s is None else shed.retry_after_s
-        )
-
-
-async def send_short(ctx: Context, first_send: float) -> ShortRecord:
-    """One short request, retried after each 429's Retry-After until `--timeout-s` from its first
-    send."""
-    o = ctx.options
-    record = ShortRecord(first_send)
-    job = ctx.job(o.short_input_len, o.short_output_len)
-    deadline = first_send + o.timeout_s
+async def send_polite(ctx: Context, job: Job, first_send: float) -> tuple[str, Result, int]:
+    """One request as a polite client sends it: after a 429 it waits the Retry-After and tries
+    again, until `--timeout-s` from its first send (so a full queue is not hammered). Returns the
+    outcome, the last try's result (its times count from `first_send`, retries included; `error`
+    set unless completed) and the number of 429s."""
+    deadline, num_429 = first_send + ctx.options.timeout_s, 0
+    result = Result(job.index, first_send)
     while (remaining := deadline - time.perf_counter()) > 0:
         result = Result(job.index, first_send)
         try:
             shed = await asyncio.wait_for(attempt(ctx, job, result), remaining)
         except (TimeoutError, httpx.TimeoutException):
             break
-        except (httpx.HTTPError, StreamError, ValueError):
-            record.outcome = report.ERROR
-            return record
+        except (httpx.HTTPError, StreamError, ValueError) as e:
+            result.error = f"{type(e).__name__}: {e}"[:300]
+            return report.ERROR, result, num_429
         if shed is None:
-            record.outcome, record.ttft_s = report.COMPLETED, result.ttft_s
-            return record
-        record.num_429 += 1
+            result.ok = True
+            return report.COMPLETED, result, num_429
+        num_429 += 1
         wait = DEFAULT_RETRY_AFTER_S if shed.retry_after_s is None else shed.retry_after_s
         await asyncio.sleep(min(wait, max(deadline - time.perf_counter(), 0.0)))
-    record.outcome = report.TIMED_OUT
-    return record
+    result.error = f"timed out after {ctx.options.timeout_s:g}s"
+    return report.TIMED_OUT, result, num_429
+
+
+async def send_short(ctx: Context, first_send: float) -> ShortRecord:
+    """One request of the short client (`send_polite`)."""
+    job = ctx.job(ctx.options.short_input_len, ctx.options.short_output_len)
+    outcome, result, num_429 = await send_polite(ctx, job, first_send)
+    ttft_s = result.ttft_s if outcome == report.COMPLETED else None
+    return ShortRecord(first_send, outcome, ttft_s, num_429)
 
 
 # ----- the run ---------------------------------------------------------------------------------
@@ -331,7 +320,11 @@ async def measure_capacity(ctx: Context) -> dict[str, Any]:
 
     async def worker() -> None:
         while time.perf_counter() < deadline:
-            results.append(await send_closed(ctx, ctx.job(o.input_len, o.output_len)))
+            job = ctx.job(o.input_len, o.output_len)
+            _, result, _ = await send_polite(ctx, job, time.perf_counter())
+            if result.error is not None:
+                ctx.sender.errors.append(result.error)
+            results.append(result)
 
     def progress() -> str:
         return f"capacity: {len(results)} done, {sum(r.ok for r in results)} completed"

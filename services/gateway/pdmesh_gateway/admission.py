@@ -149,28 +149,22 @@ class PrefillAdmission:
     # ----- the queue bound -----
     def check_room(self) -> None:
         """`Shed` if a new request may not join the queue now (full, or its wait too long)."""
-        wait = self.estimated_wait_s()
         if self.waiting >= self.max_queued:
-            self._shed(
-                "full", f"{self.waiting} requests are queued (--max-queued {self.max_queued})", wait
-            )
+            rate = self._drain.per_s(_now())  # a place frees every 1/rate seconds
+            why = f"{self.waiting} requests are queued (--max-queued {self.max_queued})"
+            self._shed("full", why, 1 / rate if rate else 1.0)
         max_wait = self.limits.max_wait_s
+        wait = None if max_wait is None else self.estimated_wait_s()
         if max_wait is not None and wait is not None and wait > max_wait:
-            self._shed(
-                "wait",
-                f"the estimated queue wait is {wait:.1f}s (--max-queue-wait-s {max_wait:g})",
-                wait - max_wait,
-            )
+            why = f"the estimated queue wait is {wait:.1f}s (--max-queue-wait-s {max_wait:g})"
+            self._shed("wait", why, wait - max_wait)  # the wait shrinks by its excess by then
 
-    def _shed(self, reason: str, why: str, wait: float | None) -> None:
+    def _shed(self, reason: str, why: str, retry_after_s: float) -> None:
         self.num_shed[reason] += 1
-        rate = self._drain.per_s(_now())
-        # a place frees every 1/rate seconds; a wait over the bound shrinks by as much
-        retry_after = wait if reason == "wait" else (1 / rate if rate else 1.0)
         raise Shed(
             f"the gateway is overloaded: {why}; retry later",
             reason=reason,
-            retry_after_s=float(retry_after or 1.0),
+            retry_after_s=retry_after_s,
         )
 
     # ----- acquire / release -----

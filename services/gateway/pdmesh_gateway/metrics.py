@@ -6,7 +6,6 @@ duplicate names)."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -137,16 +136,17 @@ class GatewayMetrics:
         """Forever: how late a `LAG_TICK_S` timer fires is the event loop's lag (what every token
         relayed waits for); the histogram takes each, the gauge each window's largest."""
         loop = asyncio.get_running_loop()
-        window_end, worst = time.monotonic() + LAG_WINDOW_S, 0.0
+        window_end, worst = loop.time() + LAG_WINDOW_S, 0.0
         while True:
             start = loop.time()
             await asyncio.sleep(LAG_TICK_S)
-            lag = max(loop.time() - start - LAG_TICK_S, 0.0)
+            now = loop.time()
+            lag = max(now - start - LAG_TICK_S, 0.0)
             self.loop_lag.observe(lag)
             worst = max(worst, lag)
-            if time.monotonic() >= window_end:
+            if now >= window_end:
                 self.loop_lag_max.set(worst)
-                window_end, worst = time.monotonic() + LAG_WINDOW_S, 0.0
+                window_end, worst = now + LAG_WINDOW_S, 0.0
 
     def rejected(self, error: MeshError) -> None:
         """A request refused before generation (validation, unknown model)."""
