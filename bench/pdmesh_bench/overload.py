@@ -39,9 +39,10 @@ JSON (`--json`): {"config", "client": {"pid", "cpu_affinity", "cpu_count", "nice
 [{"multiple", "rate_rps", "duration_s", "num_sent", "num_completed", "num_shed", "num_timed_out",
 "num_errors", "goodput_tokens_per_s", "goodput_of_1x", "ttft_ms": {p50, p90, p99},
 "shed_latency_ms": {p50, p99, max}, "retry_after_share", "gateway_cpu_s_per_s", "loop_lag_ms": {max,
-p99}, "waiting_max", "num_scrapes", "gateway_shed_by_reason", "lease_expiries", "short": null |
-{"rate_rps", "num_sent", "num_completed", "num_timed_out", "num_errors", "num_429", "ttft_ms": {p50,
-p90}}, "error_messages"}]}. Times in ms unless named _s.
+p99, max_queued: the max among the scrapes that saw at least half of waiting_max}, "waiting_max",
+"num_scrapes", "gateway_shed_by_reason", "lease_expiries", "short": null | {"rate_rps", "num_sent",
+"num_completed", "num_timed_out", "num_errors", "num_429", "ttft_ms": {p50, p90}},
+"error_messages"}]}. Times in ms unless named _s.
 """
 
 from __future__ import annotations

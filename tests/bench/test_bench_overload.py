@@ -194,7 +194,7 @@ def test_missing_gateway_series_are_null() -> None:
     assert phase["num_completed"] > 0 and phase["goodput_of_1x"] == 1.0
     for key in ("gateway_cpu_s_per_s", "waiting_max", "gateway_shed_by_reason", "lease_expiries"):
         assert phase[key] is None
-    assert phase["loop_lag_ms"] == {"max": None, "p99": None}
+    assert phase["loop_lag_ms"] == {"max": None, "p99": None, "max_queued": None}
     report.print_report(result)  # nulls print as "-"
 
     only_cpu = "# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 3.5\n"
@@ -236,6 +236,17 @@ def test_gateway_figures_from_two_scrapes() -> None:
         "p50": pytest.approx(2.0),
         "max": pytest.approx(3.0),
     }
+
+
+def test_lag_while_queued_leaves_out_the_phase_start_and_drain() -> None:
+    samples = [  # (waiting, lag): a start, a queue that peaks at 100, a drain, a failed scrape
+        GatewaySample(float(i), loop_lag_s=lag, num_waiting=waiting)
+        for i, (waiting, lag) in enumerate(
+            [(10, 0.2), (60, 0.01), (100, 0.02), (50, 0.03), (49, 0.4), (5, 0.3)]
+        )
+    ] + [GatewaySample(9.0, loop_lag_s=0.9)]
+    assert report.lag_while_queued_ms(samples) == pytest.approx(30.0)
+    assert report.lag_while_queued_ms(samples[-1:]) is None
 
 
 @pytest.mark.parametrize(

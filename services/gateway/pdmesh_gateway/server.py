@@ -22,6 +22,7 @@ from pdmesh_engine.config import ModelConfig
 from pdmesh_engine.tokenizer import Tokenizer
 from pdmesh_gateway.admission import QUEUED_PER_SLOT, QueueLimits
 from pdmesh_gateway.auth import api_key_interceptor
+from pdmesh_gateway.collector import QueueAwareCollector
 from pdmesh_gateway.core import ModelInfo
 from pdmesh_gateway.metrics import GatewayMetrics
 from pdmesh_gateway.migration import DEFAULT_MAX_MIGRATIONS
@@ -354,8 +355,11 @@ async def serve(config: GatewayConfig, ready: asyncio.Event | None = None) -> No
         if ready is not None:
             ready.set()
         # what start-up made (modules, tokenizer, channels) lives as long as the process: out of
-        # the collector's sight, so its full collections (every token waits on them) stay short
+        # the collector's sight, so its full collections (every token waits on them) stay short;
+        # a long queue is kept out of it the same way while it lasts
         gc.freeze()
+        collector = QueueAwareCollector()
+        tasks.append(asyncio.ensure_future(collector.run(lambda: orchestrator.waiting)))
         done, _ = await asyncio.wait([http_task, *tasks], return_when=asyncio.FIRST_COMPLETED)
         for task in done:
             task.result()  # a component crashed: raise its error

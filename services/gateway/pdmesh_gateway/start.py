@@ -52,6 +52,7 @@ from pdmesh_gateway.retry import (
     RankGone,
     RetryPolicy,
     StartRetry,
+    retried,
 )
 from pdmesh_gateway.router import NoInstance, Router
 from pdmesh_gateway.routing import (
@@ -243,7 +244,7 @@ class Starter:
             number = next(tries)  # 0: the request's first try, the only one the queue may shed
             return await self._start_once(tried(request, number), deadline, excluded, number == 0)
 
-        return await retrying(start_once)
+        return await retried(retrying, start_once)
 
     def _check_pin(self, request: GenerationRequest) -> None:
         """A DP rank that no prefill or decode rank has is the client's error."""
@@ -442,7 +443,7 @@ class Starter:
             sleep=sleep,
             retry_error_callback=overloaded,
         )
-        return await retrying(self._reserve_pass, request, deadline, excluded)
+        return await retried(retrying, self._reserve_pass, request, deadline, excluded)
 
     async def _reserve_pass(
         self, request: GenerationRequest, deadline: float, excluded: Exclusions
