@@ -40,9 +40,9 @@ JSON (`--json`): {"config", "client": {"pid", "cpu_affinity", "cpu_count", "nice
 "num_errors", "goodput_tokens_per_s", "goodput_of_1x", "ttft_ms": {p50, p90, p99},
 "shed_latency_ms": {p50, p99, max}, "retry_after_share", "gateway_cpu_s_per_s", "loop_lag_ms": {max,
 p99, max_queued: the max among the scrapes that saw at least half of waiting_max}, "waiting_max",
-"num_scrapes", "gateway_shed_by_reason", "lease_expiries", "short": null | {"rate_rps", "num_sent",
-"num_completed", "num_timed_out", "num_errors", "num_429", "ttft_ms": {p50, p90}},
-"error_messages"}]}. Times in ms unless named _s.
+"num_scrapes", "client_lag_ms": {max, p99} (this process's own loop), "gateway_shed_by_reason",
+"lease_expiries", "short": null | {"rate_rps", "num_sent", "num_completed", "num_timed_out",
+"num_errors", "num_429", "ttft_ms": {p50, p90}}, "error_messages"}]}. Times in ms unless named _s.
 """
 
 from __future__ import annotations
@@ -91,6 +91,7 @@ from pdmesh_bench.traces import Job, PromptBuilder
 
 SCRAPE_TIMEOUT_S = 5.0  # one GET /metrics or /mesh; a slower answer counts as a failed scrape
 DEFAULT_RETRY_AFTER_S = 1.0  # the short client's wait after a 429 without Retry-After
+CLIENT_LAG_TICK_S = 0.05  # the period of the client's own loop-lag probe
 
 ClientFactory = Callable[[int], httpx.AsyncClient]  # connections -> a client
 LoadClientFactory = Callable[[int], httpx.AsyncClient | LeanClient]  # what sends the load
@@ -356,9 +357,11 @@ async def run_phase(ctx: Context, multiple: float, rate: float, index: int) -> P
     )
     records: list[Record] = []
     samples = [first]
+    client_lags: list[float] = []
     stop = asyncio.Event()
     background = [
         asyncio.create_task(sample_every(ctx, samples, stop)),
+        asyncio.create_task(watch_own_lag(client_lags, stop)),
         asyncio.create_task(
             report_progress(partial(phase_progress, multiple, records), o.progress_s, stop)
         ),
@@ -390,6 +393,7 @@ async def run_phase(ctx: Context, multiple: float, rate: float, index: int) -> P
         (lease_first, lease_last),
         short_records,
         o.short_rate,
+        client_lags,
     )
 
 
@@ -450,6 +454,16 @@ async def sample_every(ctx: Context, samples: list[GatewaySample], stop: asyncio
     """Append a scrape every `--scrape-s` until `stop` is set."""
     while not await wait_or_stop(stop, ctx.options.scrape_s):
         samples.append(await sample_gateway(ctx))
+
+
+async def watch_own_lag(lags: list[float], stop: asyncio.Event) -> None:
+    """How late this client's own `CLIENT_LAG_TICK_S` timer fires, until `stop` is set: a late
+    loop here delays the sends and the answers the phase times, whatever the gateway does."""
+    while True:
+        start = time.perf_counter()
+        if await wait_or_stop(stop, CLIENT_LAG_TICK_S):
+            return
+        lags.append(max(time.perf_counter() - start - CLIENT_LAG_TICK_S, 0.0))
 
 
 def phase_progress(multiple: float, records: list[Record]) -> str:

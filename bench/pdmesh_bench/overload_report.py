@@ -210,6 +210,7 @@ class PhaseRun:
     lease_expiries: tuple[int | None, int | None]  # decode ranks' sum at the start and the end
     short: list[ShortRecord] | None = None  # None: the short client did not run in this phase
     short_rate: float = 0.0
+    client_lags: list[float] = field(default_factory=list)  # this client's own loop lag, s
 
 
 def parse_metrics(text: str, at: float) -> GatewaySample:
@@ -332,6 +333,7 @@ def summarize_phase(run: PhaseRun) -> dict[str, Any]:
             "max_queued": lag_while_queued_ms(run.samples),
         },
         "waiting_max": max(waiting) if waiting else None,
+        "client_lag_ms": stats_ms(run.client_lags, ("max", "p99")),
         "num_scrapes": len(run.samples),
         "gateway_shed_by_reason": shed_delta(run.first, run.last),
         "lease_expiries": None
@@ -396,7 +398,7 @@ def print_report(result: dict[str, Any]) -> None:
     print(
         f"{'load':>5} {'req/s':>7} {'sent':>6} {'done':>6} {'shed':>6} {'t/o':>5} {'err':>5} "
         f"{'goodput':>8} {'%1x':>5} {'ttft p50/p90/p99 ms':>21} {'shed p50/p99/max ms':>20} "
-        f"{'RA%':>4} {'cpu':>5} {'lag max/p99/queued':>18} {'wait':>5} {'lease':>5}"
+        f"{'RA%':>4} {'cpu':>5} {'lag max/p99/queued':>18} {'wait':>5} {'lease':>5} {'clag':>5}"
     )
     for p in result["phases"]:
         t, s, lag = p["ttft_ms"], p["shed_latency_ms"], p["loop_lag_ms"]
@@ -413,7 +415,7 @@ def print_report(result: dict[str, Any]) -> None:
             f"{_f(p['gateway_cpu_s_per_s'], '.2f'):>5} "
             f"{_f(lag['max']) + '/' + _f(lag['p99']) + '/' + _f(lag['max_queued']):>18} "
             f"{_f(p['waiting_max'], '.0f'):>5} "
-            f"{_f(p['lease_expiries'], 'd'):>5}"
+            f"{_f(p['lease_expiries'], 'd'):>5} {_f(p['client_lag_ms']['max'], '.0f'):>5}"
         )
         if p["short"] is not None:
             print_short(p["short"])

@@ -238,6 +238,22 @@ def test_gateway_figures_from_two_scrapes() -> None:
     }
 
 
+def test_the_client_measures_its_own_loop_lag() -> None:
+    async def run() -> list[float]:
+        lags: list[float] = []
+        stop = asyncio.Event()
+        watch = asyncio.create_task(overload.watch_own_lag(lags, stop))
+        await asyncio.sleep(0.12)
+        time.sleep(0.3)  # the loop is blocked: the probe's timer fires late
+        await asyncio.sleep(0.12)
+        stop.set()
+        await watch
+        return lags
+
+    lags = asyncio.run(run())
+    assert max(lags) >= 0.2 and len(lags) >= 3
+
+
 def test_lag_while_queued_leaves_out_the_phase_start_and_drain() -> None:
     samples = [  # (waiting, lag): a start, a queue that peaks at 100, a drain, a failed scrape
         GatewaySample(float(i), loop_lag_s=lag, num_waiting=waiting)
