@@ -238,6 +238,23 @@ def test_gateway_figures_from_two_scrapes() -> None:
     }
 
 
+@pytest.mark.skipif(
+    overload.autogroup_nice() is None or os.geteuid() != 0,
+    reason="needs Linux autogroup scheduling and root",
+)
+def test_client_nice_reaches_the_session_scheduling_group_and_is_set_back() -> None:
+    before_group = overload.autogroup_nice()
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        with overload.client_priority(-3):
+            assert os.getpriority(os.PRIO_PROCESS, 0) == -3
+            assert overload.autogroup_nice() == -3
+            assert overload.client_info()["autogroup_nice"] == -3
+        assert overload.autogroup_nice() == before_group
+    finally:
+        os.setpriority(os.PRIO_PROCESS, 0, before)
+
+
 def test_the_client_measures_its_own_loop_lag() -> None:
     async def run() -> list[float]:
         lags: list[float] = []
