@@ -356,7 +356,7 @@ async def serve(config: GatewayConfig, ready: asyncio.Event | None = None) -> No
             ready.set()
         # what start-up made (modules, tokenizer, channels) lives as long as the process: out of
         # the collector's sight, so its full collections (every token waits on them) stay short;
-        # a long queue is kept out of it the same way while it lasts
+        # while a long queue waits, they wait too (`QueueAwareCollector`)
         gc.freeze()
         collector = QueueAwareCollector()
         tasks.append(asyncio.ensure_future(collector.run(lambda: orchestrator.waiting)))
