@@ -355,8 +355,8 @@ async def _run(
 @contextlib.contextmanager
 def without_collector_pauses() -> Iterator[None]:
     """No automatic garbage collection in this client while a phase is timed, one collection
-    after it: a full collection over a 10x phase's records stopped its loop for ~300 ms, which its
-    429 latencies then showed as the gateway's."""
+    after it: a full collection walks every record the phase has kept so far, and would pause the
+    loop that timestamps the sends and answers (the client's lag stays measured: `clag`)."""
     gc.disable()
     try:
         yield

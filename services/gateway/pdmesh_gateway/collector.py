@@ -51,7 +51,7 @@ class QueueAwareCollector:
         """End the deferral with the full collection it held back."""
         young, older, _ = gc.get_threshold()
         gc.set_threshold(young, older, self.full_threshold)
-        deferred_s = now - (self.deferred_since or now)
+        deferred_s = 0.0 if self.deferred_since is None else now - self.deferred_since
         freed = gc.collect()
         self.deferred_since, self.num_deferred = None, self.num_deferred + 1
         log.info("full collection after a long queue", deferred_s=round(deferred_s, 1), freed=freed)
