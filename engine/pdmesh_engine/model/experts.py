@@ -4,6 +4,9 @@
     out[t] = sum_k weights[t, k] * expert_{slot_ids[t, k]}(x[t])
     expert_e(x) = W_down (silu(W_gate x) * (W_up x)),  w13[e] = [W_gate; W_up], w2[e] = W_down
 
+With `swiglu_limit` (DeepSeek-V4) the gate is clamped to at most the limit and the up projection to
+[-limit, limit] before the product.
+
 On CUDA the Triton kernels of `pdmesh_kernels` run (`fused_moe`, `grouped_expert_mlp`). On CPU,
 with the weights in the row-table layout (`to_row_tables`; the model runner stores CPU experts
 that way), each matrix-vector product is one `embedding_bag` over rows of the transposed weights:
@@ -61,14 +64,15 @@ def routed_experts(
     slot_ids: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """x [T, D], weights [T, K] float, slot_ids [T, K] int in [0, P), w13 [P, 2I, D], w2 [P, D, I]
     -> [T, D] in x's dtype (the weighted sum in fp32)."""
-    if not has_row_tables(w13, w2):
+    if not has_row_tables(w13, w2) and swiglu_limit is None:
         return fused_moe(x, w13, w2, weights, slot_ids)
     (num_tokens, top_k), hidden = slot_ids.shape, x.shape[1]
     slots, order = torch.sort(slot_ids.reshape(-1), stable=True)  # sorted row n is pair order[n]
-    out_sorted = expert_rows(x.index_select(0, order // top_k), slots, w13, w2)  # [N, D]
+    out_sorted = expert_rows(x.index_select(0, order // top_k), slots, w13, w2, swiglu_limit)
     rows = torch.empty_like(out_sorted).index_copy_(0, order, out_sorted)  # token-major
     if rows.dtype != torch.float32:
         rows = rows.float()
@@ -80,21 +84,52 @@ def routed_experts(
 
 
 def expert_rows(
-    rows: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """rows [N, D], slots [N] int sorted ascending -> [N, D] in rows' dtype: row n through the
     MLP of slot slots[n]."""
     if not has_row_tables(w13, w2):
-        counts = torch.zeros(w13.shape[0], dtype=torch.int64, device=slots.device)
-        counts.scatter_add_(0, slots.long(), torch.ones_like(slots, dtype=torch.int64))
-        return grouped_expert_mlp(rows, counts, w13, w2)
+        counts = torch.bincount(slots.long(), minlength=w13.shape[0])
+        if swiglu_limit is None:
+            return grouped_expert_mlp(rows, counts, w13, w2)
+        return _looped_rows(rows, counts, w13, w2, swiglu_limit)
     if rows.shape[0] >= GROUPED_ROWS_PER_SLOT * w13.shape[0] and _can_group(rows, w2):
-        return _grouped_rows(rows, slots, w13, w2)
-    return _embedding_bag_rows(rows, slots, w13, w2)
+        return _grouped_rows(rows, slots, w13, w2, swiglu_limit)
+    return _embedding_bag_rows(rows, slots, w13, w2, swiglu_limit)
+
+
+def swiglu(gate_up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """[N, 2I] (gate; up) -> [N, I]: silu(gate) * up, both clamped first when `limit` is set."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
+def _looped_rows(
+    rows: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, limit: float
+) -> torch.Tensor:
+    """One matmul pair per slot that has rows (the plain layout with a clamp)."""
+    out = torch.empty_like(rows)
+    start = 0
+    for slot, count in enumerate(counts.tolist()):
+        if count:
+            part = rows[start : start + count]
+            out[start : start + count] = swiglu(part @ w13[slot].t(), limit) @ w2[slot].t()
+            start += count
+    return out
 
 
 def _embedding_bag_rows(
-    rows: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    limit: float | None = None,
 ) -> torch.Tensor:
     """One matrix-vector product per row and matrix, as an embedding bag over the row tables."""
     num_slots, hidden, width = w2.shape
@@ -106,7 +141,7 @@ def _embedding_bag_rows(
         mode="sum",
         per_sample_weights=rows,
     )
-    act = F.silu(gate_up[:, :width]) * gate_up[:, width:]  # [N, I]
+    act = swiglu(gate_up, limit)  # [N, I]
     return F.embedding_bag(
         slots[:, None] * width + i_index,
         w2.transpose(1, 2).view(num_slots * width, hidden),
@@ -116,13 +151,16 @@ def _embedding_bag_rows(
 
 
 def _grouped_rows(
-    rows: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    limit: float | None = None,
 ) -> torch.Tensor:
     """One matrix-matrix product per slot over its rows (`torch._grouped_mm`; a C++ loop)."""
     offsets = torch.cumsum(torch.bincount(slots, minlength=w13.shape[0]), 0, dtype=torch.int32)
     gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets)  # [N, 2I]
-    width = w2.shape[2]
-    act = F.silu(gate_up[:, :width]) * gate_up[:, width:]  # [N, I]
+    act = swiglu(gate_up, limit)  # [N, I]
     return torch._grouped_mm(act, w2.transpose(1, 2), offs=offsets)
 
 

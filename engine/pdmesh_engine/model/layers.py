@@ -12,6 +12,7 @@ D hidden size, S context length of one sequence.
 from __future__ import annotations
 
 import math
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,22 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
+class RopeParams(Protocol):
+    """What a rope table is computed from (a V3 `ModelConfig`, a V4 `RopeSpec`)."""
+
+    @property
+    def qk_rope_head_dim(self) -> int: ...
+    @property
+    def rope_theta(self) -> float: ...
+    @property
+    def rope_type(self) -> str: ...
+    @property
+    def rope_scaling(self) -> dict[str, Any] | None: ...
+    @property
+    def max_position_embeddings(self) -> int: ...
+
+
+def rope_inv_freq(config: RopeParams) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [R/2] and the cos/sin scaling of the config's rope type."""
     dim, base = config.qk_rope_head_dim, config.rope_theta
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
