@@ -10,7 +10,7 @@ from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV4ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
 # weight/KV dtypes, as config.json's torch_dtype names them
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -152,10 +152,7 @@ class ModelConfig:
         """Parse a Hugging Face config dict (both the `rope_scaling` and `rope_parameters`
         spellings)."""
         archs = raw.get("architectures") or [raw.get("model_type", "?")]
-        if (
-            not any(a in SUPPORTED_ARCHITECTURES for a in archs)
-            and raw.get("model_type") != "deepseek_v3"
-        ):
+        if "DeepseekV3ForCausalLM" not in archs and raw.get("model_type") != "deepseek_v3":
             raise CheckpointError(
                 f"unsupported architecture {archs}; pdmesh serves {SUPPORTED_ARCHITECTURES}"
             )
@@ -203,7 +200,7 @@ class ModelConfig:
 class EngineConfig:
     """How one engine instance runs a model: memory, batching and device."""
 
-    block_size: int = 16
+    block_size: int | None = None  # None: the model's (16 for V3; V4: a multiple of its rates)
     num_blocks: int | None = None  # None: derived from kv_cache_memory_bytes
     kv_cache_memory_bytes: int = 256 << 20
     max_num_seqs: int = 64
@@ -228,7 +225,9 @@ class EngineConfig:
     cuda_graph_max_batch: int = 64
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+        if self.block_size is not None and (
+            self.block_size <= 0 or self.block_size & (self.block_size - 1)
+        ):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")

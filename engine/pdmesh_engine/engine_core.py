@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pdmesh_engine.config import EngineConfig, ModelConfig
+from pdmesh_engine.config import EngineConfig
 from pdmesh_engine.kv_cache import KVCacheManager, KVCacheStats
-from pdmesh_engine.model_runner import ModelRunner
+from pdmesh_engine.model_runner import ModelRunner, read_model_config
 from pdmesh_engine.parallel.dep import DEPContext, LockstepStepper
 from pdmesh_engine.parallel.placement import (
     CheckpointTensors,
@@ -80,7 +80,7 @@ class EngineCore:
         """`dep`: this engine is one rank of a DEP instance (see pdmesh_engine.parallel.dep); step()
         is collective."""
         self.config = config or EngineConfig()
-        self.model_config = ModelConfig.from_dir(model_dir)
+        self.model_config = read_model_config(model_dir)
         self.runner = ModelRunner(
             model_dir,
             self.model_config,
@@ -89,6 +89,7 @@ class EngineCore:
             draft_model_kwargs=dep.draft_model_kwargs if dep else None,
             reserve_scratch=dep is not None,
         )
+        self.config = self.runner.config  # with the model's defaults (block size)
         layout = self.runner.kv_layout
         # the last block may be the scratch of DEP's dummy forwards and of CUDA-graph padding
         scratch = self.runner.scratch_block

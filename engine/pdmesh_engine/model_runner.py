@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +34,13 @@ import torch
 
 from pdmesh_engine import huge_pages
 from pdmesh_engine.checkpoint import DTYPES, iter_tensors
-from pdmesh_engine.config import EngineConfig, ModelConfig
+from pdmesh_engine.config import EngineConfig, ModelConfig, read_json
 from pdmesh_engine.cpu_dtype import auto_cpu_dtype
 from pdmesh_engine.cuda_graphs import DecodeGraphs, capture_cuda, capture_eager
 from pdmesh_engine.forward_batch import ForwardBatch
 from pdmesh_engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+from pdmesh_engine.model.deepseek_v4 import runtime as v4_runtime
+from pdmesh_engine.model.deepseek_v4.config import V4Config
 from pdmesh_engine.model.moe import ExpertLoadRecorder, MoE
 from pdmesh_engine.request import Request
 from pdmesh_engine.sampler import Sampler, SamplerOutput
@@ -123,6 +125,84 @@ def plan_kv_layout(
     return KVLayout(probe.num_layers, num_blocks, config.block_size, probe.entry_dim, dtype)
 
 
+class V3Family:
+    """DeepSeek-V3 as the runner sees it (the functions above)."""
+
+    def __init__(self, model_config: ModelConfig) -> None:
+        self.model_config = model_config
+
+    def engine_config(self, config: EngineConfig) -> EngineConfig:
+        return config if config.block_size is not None else replace(config, block_size=16)
+
+    def load(
+        self,
+        model_dir: Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        model_kwargs: dict[str, Any],
+    ) -> Any:
+        return load_model(model_dir, self.model_config, device, dtype, model_kwargs)
+
+    def plan_kv(self, config: EngineConfig, dtype: torch.dtype, extra_bytes_per_block: int) -> Any:
+        return plan_kv_layout(self.model_config, config, dtype, extra_bytes_per_block)
+
+    def allocate_kv(self, layout: Any, device: torch.device) -> Any:
+        return allocate_kv_memory(
+            layout.num_layers,
+            layout.num_blocks,
+            layout.block_size,
+            layout.entry_dim,
+            layout.dtype,
+            device,
+        )
+
+
+class V4Family:
+    """DeepSeek-V4 (pdmesh_engine.model.deepseek_v4.runtime)."""
+
+    def __init__(self, model_config: V4Config) -> None:
+        self.model_config = model_config
+
+    def engine_config(self, config: EngineConfig) -> EngineConfig:
+        return v4_runtime.engine_config(self.model_config, config)
+
+    def load(
+        self,
+        model_dir: Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        model_kwargs: dict[str, Any],
+    ) -> Any:
+        if model_kwargs:
+            raise ValueError("DeepSeek-V4 does not run under DEP yet")
+        return v4_runtime.load_model(model_dir, self.model_config, device, dtype)
+
+    def plan_kv(self, config: EngineConfig, dtype: torch.dtype, extra_bytes_per_block: int) -> Any:
+        return v4_runtime.plan_kv(self.model_config, config, dtype)
+
+    def allocate_kv(self, layout: Any, device: torch.device) -> Any:
+        return v4_runtime.allocate_kv(self.model_config, layout, device)
+
+
+def read_model_config(model_dir: str | Path) -> ModelConfig | V4Config:
+    """A checkpoint's config.json, parsed by its family (architectures, else model_type)."""
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        return ModelConfig.from_dir(path)  # its errors name what is missing
+    raw = read_json(path / "config.json")
+    archs = raw.get("architectures") or []
+    if "DeepseekV4ForCausalLM" in archs or (not archs and raw.get("model_type") == "deepseek_v4"):
+        return V4Config.from_dict(raw)
+    return ModelConfig.from_dict(raw)
+
+
+def family_of(model_config: ModelConfig | V4Config) -> V3Family | V4Family:
+    """The model family of a parsed config (the one place that tells them apart)."""
+    if isinstance(model_config, V4Config):
+        return V4Family(model_config)
+    return V3Family(model_config)
+
+
 def load_model(
     model_dir: Path,
     model_config: ModelConfig,
@@ -164,6 +244,8 @@ class ModelRunner:
         its own placement on the same dispatcher). The last KV block is kept as `scratch_block`
         (written by padding and dummy passes, never handed to a request) with `reserve_scratch`
         (DEP's dummy forwards) or CUDA graphs."""
+        self.family = family_of(model_config)
+        config = self.family.engine_config(config)
         self.config, self.model_config = config, model_config
         self.model_kwargs = model_kwargs or {}
         self.draft_model_kwargs = draft_model_kwargs
@@ -175,16 +257,13 @@ class ModelRunner:
         self.model = model if model is not None else self._load_model(Path(model_dir))
         self.proposer = self._make_proposer(Path(model_dir)) if config.num_spec_tokens else None
         extra = self.proposer.kv_bytes_per_block(config.block_size) if self.proposer else 0
-        self.kv_layout = plan_kv_layout(model_config, config, self.dtype, extra)
-        self.kv_caches = allocate_kv_memory(
-            self.kv_layout.num_layers,
-            self.kv_layout.num_blocks,
-            config.block_size,
-            self.kv_layout.entry_dim,
-            self.dtype,
-            self.device,
+        self.kv_layout = self.family.plan_kv(config, self.dtype, extra)
+        self.kv_caches = self.family.allocate_kv(self.kv_layout, self.device)
+        use_graphs = (
+            config.cuda_graph_max_batch > 0
+            and uses_triton(self.device)
+            and isinstance(self.family, V3Family)
         )
-        use_graphs = config.cuda_graph_max_batch > 0 and uses_triton(self.device)
         self.scratch_block = (
             self.kv_layout.num_blocks - 1 if reserve_scratch or use_graphs else None
         )
@@ -241,7 +320,7 @@ class ModelRunner:
 
     def _load_model(self, model_dir: Path) -> DeepseekV3ForCausalLM:
         start = time.perf_counter()
-        model = load_model(model_dir, self.model_config, self.device, self.dtype, self.model_kwargs)
+        model = self.family.load(model_dir, self.device, self.dtype, self.model_kwargs)
         self.load_seconds = time.perf_counter() - start
         return model
 

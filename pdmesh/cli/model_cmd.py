@@ -18,6 +18,12 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="random presets: tiny, tiny-draft, small; coder and coder-draft copy the embedded "
         "trained checkpoints",
     )
+    init.add_argument(
+        "--arch",
+        default="deepseek_v3",
+        choices=["deepseek_v3", "deepseek_v4"],
+        help="model family (deepseek_v4: random presets tiny and small)",
+    )
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     init.add_argument(
@@ -82,7 +88,12 @@ def run_init(args: argparse.Namespace) -> int:
     from pdmesh.tools.model_init import init_model
 
     path = init_model(
-        args.dir, preset=args.preset, seed=args.seed, dtype=args.dtype, expert_skew=args.expert_skew
+        args.dir,
+        preset=args.preset,
+        seed=args.seed,
+        dtype=args.dtype,
+        expert_skew=args.expert_skew,
+        arch=args.arch,
     )
     print(path)
     return 0

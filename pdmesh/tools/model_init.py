@@ -64,6 +64,7 @@ class TensorSpec:
     expert: bool = False  # a routed expert's weight
     mtp: bool = False  # part of the multi-token-prediction layer
     fp32: bool = False  # kept float32 whatever the dtype (router, as save_pretrained keeps it)
+    num_experts: int = 0  # init "hash": a token -> distinct experts table of this many experts
 
     @property
     def numel(self) -> int:
@@ -198,6 +199,9 @@ def _make_tensor(
         return done[spec.source].clone()
     if spec.init == "norm":
         return 1.0 + NORM_JITTER * torch.randn(spec.shape, generator=gen)
+    if spec.init == "hash":  # int64 [V, K]: K distinct experts per token
+        rows, k = spec.shape
+        return torch.rand(rows, spec.num_experts, generator=gen).argsort(dim=-1)[:, :k].contiguous()
     return spec.std * torch.randn(spec.shape, generator=gen)
 
 
@@ -216,16 +220,15 @@ def _plan_shards(
     return shards
 
 
-def _write_weights(
+def write_weights(
     out: Path,
-    config: ModelConfig,
+    specs: list[TensorSpec],
     seed: int,
     dtype: str,
     max_shard_bytes: int,
     log: Callable[[str], None],
 ) -> int:
-    """Generate and save the weights; returns the number of bytes written."""
-    specs = weight_specs(config)
+    """Generate and save the weights of `specs`; returns the number of bytes written."""
     torch_dtype = DTYPES[dtype]
     shards = _plan_shards(specs, torch_dtype, max_shard_bytes)
     gen = torch.Generator().manual_seed(seed)
@@ -246,7 +249,7 @@ def _write_weights(
             t = _make_tensor(s, gen, kept)
             if s.name in sources:
                 kept[s.name] = t
-            tensors[s.name] = t if s.fp32 else t.to(torch_dtype)
+            tensors[s.name] = t if s.fp32 or not t.is_floating_point() else t.to(torch_dtype)
             weight_map[s.name] = fname
             total_bytes += tensors[s.name].numel() * tensors[s.name].element_size()
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
@@ -257,7 +260,7 @@ def _write_weights(
     return total_bytes
 
 
-def _write_json(path: Path, data: Any) -> None:
+def write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
@@ -273,8 +276,8 @@ def _write_model(
     cfg_dict = preset_config(preset, dtype)
     config = ModelConfig.from_dict(cfg_dict)
     total, active = count_parameters(config)
-    _write_json(out / "config.json", cfg_dict)
-    _write_json(
+    write_json(out / "config.json", cfg_dict)
+    write_json(
         out / "generation_config.json",
         {
             "bos_token_id": BOS_ID,
@@ -287,13 +290,13 @@ def _write_model(
     t0 = time.perf_counter()
     tok = train_tokenizer(config.vocab_size)
     (out / "tokenizer.json").write_text(tok, encoding="utf-8")
-    _write_json(out / "tokenizer_config.json", tokenizer_config(config.max_position_embeddings))
+    write_json(out / "tokenizer_config.json", tokenizer_config(config.max_position_embeddings))
     log(
         f"trained byte-level BPE tokenizer (vocab {config.vocab_size}) in "
         f"{time.perf_counter() - t0:.1f}s"
     )
     t0 = time.perf_counter()
-    nbytes = _write_weights(out, config, seed, dtype, max_shard_bytes, log)
+    nbytes = write_weights(out, weight_specs(config), seed, dtype, max_shard_bytes, log)
     log(
         f"wrote {total / 1e6:.1f}M parameters ({active / 1e6:.1f}M active, "
         f"+{count_mtp_parameters(config) / 1e6:.1f}M MTP), {nbytes / 1e6:.0f} MB, in "
@@ -306,7 +309,7 @@ def _write_model(
         apply_expert_skew(out, expert_skew, seed, log)
         log(f"skewed expert popularity (Zipf {expert_skew}) in {time.perf_counter() - t0:.1f}s")
     skew = {"expert_skew": expert_skew} if expert_skew else {}  # absent at 0: files as before
-    _write_json(
+    write_json(
         out / "pdmesh_init.json",
         {
             "version": INIT_FORMAT_VERSION,
@@ -360,15 +363,26 @@ def init_model(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     verbose: bool = True,
     expert_skew: float = 0.0,
+    arch: str = "deepseek_v3",
 ) -> Path:
     """Write a seeded random-weight checkpoint of `preset` to `out_dir` (atomically); returns its
     path. A trained preset (`TRAINED_PRESETS`) is a copy of its embedded trained checkpoint
     instead (seed, dtype and expert_skew apply to random presets only).
 
     expert_skew: Zipf exponent of expert popularity per MoE layer (module docstring); 0: none.
+    arch: deepseek_v3, or deepseek_v4 (model_init_v4.py; presets tiny and small).
     """
-    preset_config(preset, dtype)  # validate before any work
-    if preset in TRAINED_PRESETS and (seed or expert_skew):
+    if arch == "deepseek_v4":
+        from pdmesh.tools.model_init_v4 import v4_preset_config, write_v4_model
+
+        v4_preset_config(preset, dtype)  # validate before any work
+        if expert_skew:
+            raise ValueError("--expert-skew is not available for deepseek_v4 checkpoints yet")
+    elif arch != "deepseek_v3":
+        raise ValueError(f"unknown arch {arch!r}; choose deepseek_v3 or deepseek_v4")
+    else:
+        preset_config(preset, dtype)  # validate before any work
+    if arch == "deepseek_v3" and preset in TRAINED_PRESETS and (seed or expert_skew):
         raise ValueError(
             f"{preset!r} is a trained preset: its weights are the embedded checkpoint "
             "(--seed and --expert-skew apply to the random presets)"
@@ -384,7 +398,19 @@ def init_model(
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        if preset in TRAINED_PRESETS:
+        if arch == "deepseek_v4":
+            cfg = write_v4_model(tmp, preset, seed, dtype, max_shard_bytes, log)
+            write_json(
+                tmp / "pdmesh_init.json",
+                {
+                    "version": INIT_FORMAT_VERSION,
+                    "preset": preset,
+                    "seed": seed,
+                    "dtype": dtype,
+                    "config": cfg,
+                },
+            )
+        elif preset in TRAINED_PRESETS:
             _copy_trained(tmp, preset, log)
         else:
             _write_model(tmp, preset, seed, dtype, max_shard_bytes, log, expert_skew)

@@ -173,7 +173,7 @@ def test_no_overwrite_and_atomic(
     def boom(*args: object, **kwargs: object) -> int:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(model_init, "_write_weights", boom)
+    monkeypatch.setattr(model_init, "write_weights", boom)
     with pytest.raises(KeyboardInterrupt):
         init_model(tmp_path / "half", "tiny", verbose=False)
     assert list(tmp_path.iterdir()) == []  # neither the target nor a temp dir is left

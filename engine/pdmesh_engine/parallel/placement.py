@@ -211,7 +211,9 @@ class PlacementStager:
         expert_load: ExpertLoadRecorder | None = None,
     ) -> None:
         self.layers = [
-            (i, layer.mlp) for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoE)
+            (i, layer.mlp)
+            for i, layer in enumerate(model.layers)
+            if isinstance(getattr(layer, "mlp", None), MoE)
         ]
         self.load_tensor, self.expert_load = load_tensor, expert_load
         self.running_version = 0

@@ -49,9 +49,10 @@ class Rope(nn.Module):
         self.materialize()
 
     def materialize(self) -> None:
-        device = self.inv_freq.device if self.inv_freq.device.type != "meta" else None
-        inv_freq, self.scaling = rope_inv_freq(self.spec)
-        self.inv_freq = inv_freq.to(device or "cpu")
+        """(Re)compute the table on the buffer's device (after a model was built on meta)."""
+        with torch.device("cpu"):
+            inv_freq, self.scaling = rope_inv_freq(self.spec)
+        self.inv_freq = inv_freq.to(self.inv_freq.device)
 
     def tables(
         self, positions: torch.Tensor, dtype: torch.dtype

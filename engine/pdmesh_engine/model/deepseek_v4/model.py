@@ -67,8 +67,14 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @property
-    def moe_layers(self) -> list[MoE]:
-        return [layer.ffn for layer in self.layers]  # type: ignore[union-attr]
+    def moe_layers(self) -> list[object]:
+        """The layers whose experts EPLB places: none yet (V4's experts are not placed; that comes
+        with V4 across the mesh)."""
+        return []
+
+    @property
+    def moe_experts(self) -> list[MoE]:
+        return [layer.ffn for layer in self.layers]  # type: ignore[misc]
 
     def materialize(self) -> None:
         """Recompute the buffers that are not checkpoint tensors (rope tables)."""
