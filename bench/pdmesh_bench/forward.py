@@ -41,9 +41,8 @@ from pdmesh_bench.machine import (
     set_threads,
     time_calls,
 )
-from pdmesh_engine.config import ModelConfig
 from pdmesh_engine.forward_batch import ForwardBatch
-from pdmesh_engine.model_runner import ModelRunner
+from pdmesh_engine.model_runner import ModelRunner, family_of, read_model_config
 from pdmesh_service.worker.engine_options import add_engine_options, engine_config
 
 PROFILE_ROWS = 15
@@ -97,13 +96,13 @@ def _defaults(args: argparse.Namespace) -> None:
 
 def build_runner(model_dir: Path, args: argparse.Namespace) -> tuple[ModelRunner, int]:
     """A runner whose KV pool holds B disjoint ranges of M blocks; returns (runner, M)."""
-    config = engine_config(args)
+    model_config = read_model_config(model_dir)
+    config = family_of(model_config).engine_config(engine_config(args))
     blocks_per_seq = -(-(args.context + 1) // config.block_size)
     needed = args.batch * blocks_per_seq
     config = dataclasses.replace(
         config, num_blocks=max(needed, config.num_blocks or 0), seed=args.seed
     )
-    model_config = ModelConfig.from_dir(model_dir)
     if args.context + 1 > model_config.max_position_embeddings:
         raise ValueError(
             f"--context {args.context} leaves no room for a new token in the model's "
