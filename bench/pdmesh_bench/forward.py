@@ -42,7 +42,7 @@ from pdmesh_bench.machine import (
     time_calls,
 )
 from pdmesh_engine.forward_batch import ForwardBatch
-from pdmesh_engine.model_runner import ModelRunner, family_of, read_model_config
+from pdmesh_engine.model_runner import ModelRunner, V3Family, family_of, read_model_config
 from pdmesh_service.worker.engine_options import add_engine_options, engine_config
 
 PROFILE_ROWS = 15
@@ -133,10 +133,12 @@ def make_batch(
 
 
 def fill_kv_cache(runner: ModelRunner, num_blocks: int, gen: torch.Generator) -> None:
-    """N(0, 1) in blocks [0, num_blocks) of every layer (generated on the CPU, then copied)."""
+    """N(0, 1) in blocks [0, num_blocks) of every layer of every cache tensor (a V4 cache has
+    several), generated on the CPU, then copied."""
     caches = runner.kv_caches
-    values = torch.randn(caches[:, :num_blocks].shape, generator=gen, dtype=torch.float32)
-    caches[:, :num_blocks] = values.to(device=caches.device, dtype=caches.dtype)
+    for tensor in caches.tensors() if hasattr(caches, "tensors") else [caches]:
+        values = torch.randn(tensor[:, :num_blocks].shape, generator=gen, dtype=torch.float32)
+        tensor[:, :num_blocks] = values.to(device=tensor.device, dtype=tensor.dtype)
 
 
 def _sync(device: torch.device) -> None:
@@ -156,6 +158,8 @@ def forward_fn(runner: ModelRunner, batch: ForwardBatch) -> Callable[[], torch.T
 
 
 def _module_labels() -> dict[type, str]:
+    from pdmesh_engine.model.deepseek_v4 import attention as v4_attention
+    from pdmesh_engine.model.deepseek_v4 import blocks as v4
     from pdmesh_engine.model.layers import DenseMLP, MLAttention, RMSNorm
     from pdmesh_engine.model.moe import MoE, Router
 
@@ -165,7 +169,24 @@ def _module_labels() -> dict[type, str]:
         Router: "moe.router",
         DenseMLP: "dense mlp / shared experts",
         RMSNorm: "rmsnorm",
+        # DeepSeek-V4 (attention is split by layer kind in `_label`)
+        v4_attention.Attention: "attention",
+        v4_attention.Compressor: "attention.compressors (kv and indexer keys)",
+        v4_attention.Indexer: "attention.indexer (scores + top-k)",
+        v4.HyperConnection: "mhc (hyper-connection weights, Sinkhorn)",
+        v4.HyperHead: "mhc head",
+        v4.MoE: "moe (router + experts + shared)",
+        v4.Router: "moe.router",
+        v4.SharedExpert: "moe.shared expert",
+        v4.RMSNorm: "rmsnorm",
     }
+
+
+def _label(labels: dict[type, str], module: torch.nn.Module) -> str:
+    """The module's kind; a V4 attention layer's includes its layer kind (sliding, CSA, HCA)."""
+    kind = getattr(module, "kind", None)
+    label = labels[type(module)]
+    return f"{label} ({kind.split('_')[0]})" if label == "attention" and kind else label
 
 
 def _kernel_entry_points() -> list[tuple[Any, str, str]]:
@@ -195,7 +216,7 @@ def module_times(model: torch.nn.Module, fn: Callable[[], Any], repeats: int) ->
         starts[id(module)] = time.perf_counter()
 
     def post(module: torch.nn.Module, _inputs: Any, _output: Any) -> None:
-        add(labels[type(module)], time.perf_counter() - starts.pop(id(module)))
+        add(_label(labels, module), time.perf_counter() - starts.pop(id(module)))
 
     def timed(function: Callable, label: str) -> Callable:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -317,7 +338,7 @@ def run(args: argparse.Namespace) -> int:
     )
     times = time_calls(fn, args.repeats, args.warmup)
     result = summarize(args, runner, batch, times)
-    if args.phase == "decode":
+    if args.phase == "decode" and isinstance(runner.family, V3Family):  # an MLA cost model
         peaks = measure_peaks(args.quick)
         cost = DecodeCostModel.from_model(runner.model, runner.kv_layout.bytes_per_token)
         contexts = [args.context + 1] * args.batch
@@ -344,7 +365,7 @@ def summarize(
     args: argparse.Namespace, runner: ModelRunner, batch: ForwardBatch, times: list[float]
 ) -> dict:
     median = percentile(times, 50)
-    cpu_layers = runner.model.cpu_layers
+    cpu_layers = getattr(runner.model, "cpu_layers", None)  # V3 only: the C layer path
     return {
         "phase": args.phase,
         "batch": args.batch,

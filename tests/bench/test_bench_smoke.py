@@ -123,3 +123,27 @@ def test_bench_forward_on_the_c_layer_path(tiny_model: Path, tmp_path: Path) -> 
     assert result["layer_path"] == "c" and _positive(result["median_ms"])
     ops = result["op_counts"]  # the layers run in one C call: no aten op inside any layer
     assert sum(ops["per_layer"]) == 0 and 0 < ops["total"] <= 12
+
+
+def test_bench_forward_profiles_every_part_of_a_v4_step(tmp_path: Path) -> None:
+    """On DeepSeek-V4 the profile splits the step into each attention kind, the indexer, the
+    compressors, the hyper-connections and the MoE."""
+    from pdmesh.tools.model_init import init_model
+
+    model = init_model(tmp_path / "v4", "tiny", arch="deepseek_v4", verbose=False)
+    out = tmp_path / "forward.json"
+    argv = ["bench", "forward", "--model", str(model), "--quick", "--phase", "decode"]
+    assert main([*argv, "--context", "80", "--profile", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert _positive(result["median_ms"]) and _positive(result["kv_bytes_per_token"])
+    parts = result["module_ms_per_forward"]
+    for part in (
+        "attention (sliding)",
+        "attention (compressed)",
+        "attention (heavily)",
+        "attention.indexer (scores + top-k)",
+        "attention.compressors (kv and indexer keys)",
+        "mhc (hyper-connection weights, Sinkhorn)",
+        "moe (router + experts + shared)",
+    ):
+        assert _positive(parts.get(part, 0.0)), (part, sorted(parts))

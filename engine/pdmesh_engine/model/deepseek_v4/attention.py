@@ -69,7 +69,7 @@ class Compressor(nn.Module):
         cos, sin = rope.tables(positions, pooled.dtype)
         return apply_rope(pooled, cos, sin)
 
-    def update(
+    def forward(
         self,
         x: torch.Tensor,
         step: V4Step,
@@ -102,7 +102,7 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(config.hidden_size, self.heads, bias=False)
         self.compressor = Compressor(config, config.rate(CSA), self.dim, 2)
 
-    def choose(
+    def forward(
         self,
         x: torch.Tensor,
         q_lora: torch.Tensor,
@@ -172,10 +172,10 @@ class Attention(nn.Module):
         entries = step.entries.get(self.kind)
         if self.compressor is not None:
             assert entries is not None
-            self.compressor.update(x, step, entries, pools["rows"], pools["entries"], self.rope)
+            self.compressor(x, step, entries, pools["rows"], pools["entries"], self.rope)
         if self.indexer is not None:
             assert entries is not None
-            self.indexer.compressor.update(
+            self.indexer.compressor(
                 x, step, entries, pools["index_rows"], pools["index"], self.rope
             )
         out = torch.empty_like(q)
@@ -215,9 +215,7 @@ class Attention(nn.Module):
             return keys, valid
         slots = entries.slots[step.token_seq[rows]]  # [t, E]
         if self.indexer is not None:
-            chosen, ok = self.indexer.choose(
-                x, q_lora, step, entries, pools["index"], self.rope, rows
-            )
+            chosen, ok = self.indexer(x, q_lora, step, entries, pools["index"], self.rope, rows)
             slots = slots.gather(1, chosen)
         else:
             ok = (

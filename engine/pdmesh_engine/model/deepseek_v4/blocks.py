@@ -94,7 +94,7 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32))
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
 
-    def collapse(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, N, D] -> (block input [T, D], post [T, N], comb [T, N, N]) (fp32 weights)."""
         n = self.n
         flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)

@@ -46,11 +46,11 @@ class DecoderLayer(nn.Module):
         step: V4Step,
         pools: dict[str, torch.Tensor],
     ) -> torch.Tensor:
-        x, post, comb = self.hc_attn.collapse(streams)
+        x, post, comb = self.hc_attn(streams)
         streams = self.hc_attn.expand(
             streams, self.attn(self.attn_norm(x), step, pools), post, comb
         )
-        x, post, comb = self.hc_ffn.collapse(streams)
+        x, post, comb = self.hc_ffn(streams)
         return self.hc_ffn.expand(streams, self.ffn(self.ffn_norm(x), input_ids), post, comb)
 
 
