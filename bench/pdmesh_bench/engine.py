@@ -63,6 +63,7 @@ from pdmesh_bench.machine import (
 )
 from pdmesh_bench.spec import run_spec
 from pdmesh_engine.engine_core import EngineCore
+from pdmesh_engine.model_runner import V3Family
 from pdmesh_engine.sampling import SamplingParams
 from pdmesh_engine.scheduler import SchedulerOutput
 from pdmesh_service.worker.engine_options import (
@@ -202,12 +203,14 @@ def run_engine(engine: EngineCore, prompts: list[list[int]], output_len: int) ->
 
 # ----- transformers -----
 def load_hf(model_dir: Path, dtype: torch.dtype) -> Any:
+    """transformers' model class of the checkpoint's architecture (DeepseekV3ForCausalLM,
+    DeepseekV4ForCausalLM)."""
     import transformers
-    from transformers import DeepseekV3ForCausalLM
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    return DeepseekV3ForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    (architecture,) = json.loads((model_dir / "config.json").read_text())["architectures"]
+    return getattr(transformers, architecture).from_pretrained(model_dir, dtype=dtype).eval()
 
 
 def run_hf(model: Any, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
@@ -284,7 +287,7 @@ def compare(
     args: argparse.Namespace,
     engine: EngineCore,
     hf: Any,
-    cost: DecodeCostModel,
+    cost: DecodeCostModel | None,
     peaks: MachinePeaks,
 ) -> dict[str, Any]:
     """One row of the results: medians over the rounds (ratio = engine tokens/s / transformers
@@ -314,7 +317,9 @@ def compare(
         "engine_decode_only_steps": len(ours[0]["decode_steps"]),
         "outputs_match": match,
         "memory_bytes_per_s_beside": [run["memory_bytes_per_s_beside"] for run in ours],
-        "roofline": roofline(
+        "roofline": None
+        if cost is None
+        else roofline(
             cost,
             decode_steps,
             peaks,
@@ -352,12 +357,16 @@ def run(args: argparse.Namespace) -> int:
     _log(f"loading the engine from {model_dir}")
     engine = EngineCore(model_dir, config)
     memory = {"after_engine_load": rss_snapshot()}
-    _log("loading transformers DeepseekV3ForCausalLM")
+    _log("loading transformers' model")
     hf = load_hf(model_dir, engine.runner.dtype)
     memory["after_hf_load"] = rss_snapshot()
     _log("warming up")
     warm_up(engine, hf, args)
-    cost = DecodeCostModel.from_model(engine.runner.model, engine.runner.kv_layout.bytes_per_token)
+    cost = (  # the decode cost model is MLA's (V3)
+        DecodeCostModel.from_model(engine.runner.model, engine.runner.kv_layout.bytes_per_token)
+        if isinstance(engine.runner.family, V3Family)
+        else None
+    )
     results = [compare(c, args, engine, hf, cost, peaks) for c in levels]
     if args.against == "llama.cpp":
         add_llamacpp(results, llamacpp_rounds(args, levels))
@@ -377,7 +386,7 @@ def run(args: argparse.Namespace) -> int:
         "machine": peaks.to_dict(),
         "memory": memory,
         "kv_bytes_per_token": engine.runner.kv_layout.bytes_per_token,
-        "cost_model": cost.to_dict(),
+        "cost_model": cost.to_dict() if cost is not None else None,
         "hf": _hf_info(hf),
     }
     print_table(report)
@@ -424,6 +433,7 @@ def _hf_info(hf: Any) -> dict[str, Any]:
     import transformers
 
     return {
+        "class": type(hf).__name__,
         "transformers_version": transformers.__version__,
         "experts_implementation": getattr(hf.config, "_experts_implementation", None),
         "attn_implementation": getattr(hf.config, "_attn_implementation", None),

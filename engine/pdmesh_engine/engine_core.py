@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdmesh_engine.config import EngineConfig
-from pdmesh_engine.kv_cache import KVCacheManager, KVCacheStats
+from pdmesh_engine.kv_cache import KVCacheStats
+from pdmesh_engine.kv_window import WindowedKVManager
 from pdmesh_engine.model_runner import ModelRunner, read_model_config
 from pdmesh_engine.parallel.dep import DEPContext, LockstepStepper
 from pdmesh_engine.parallel.placement import (
@@ -94,13 +95,15 @@ class EngineCore:
         # the last block may be the scratch of DEP's dummy forwards and of CUDA-graph padding
         scratch = self.runner.scratch_block
         num_blocks = layout.num_blocks if scratch is None else scratch
-        self.kv = KVCacheManager(
+        self.kv = self.runner.family.make_kv_manager(
+            layout,
             num_blocks,
-            layout.block_size,
             self.config.enable_prefix_caching,
             # the MTP layer's KV at t depends on token t + 1 (KVCacheManager docstring)
             recompute_last_hit=self.config.speculative_method == "mtp",
         )
+        if isinstance(self.kv, WindowedKVManager):
+            self.runner.window_tables = self.kv.window_table
         self.max_model_len = self.config.context_limit(
             self.model_config, num_blocks * layout.block_size
         )

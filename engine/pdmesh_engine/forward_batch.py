@@ -26,6 +26,8 @@ class ForwardBatch:
     num_decodes: int  # the first num_decodes sequences are single-token decodes
     query_start_list: list[int]  # host copy of query_start_loc
     seq_len_list: list[int]  # host copy of seq_lens
+    # [B, M'] a second pool's tables (a windowed family's per-token state, pdmesh_engine.kv_window)
+    window_tables: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -44,6 +46,7 @@ class ForwardBatch:
         block_size: int,
         sample_mask: list[bool],
         device: torch.device,
+        window_block_ids: list[list[int]] | None = None,
     ) -> ForwardBatch:
         """Build from per-sequence lists; sequences must already be ordered decodes-first."""
         num_decodes = 0
@@ -77,7 +80,13 @@ class ForwardBatch:
         ids, pos, slot, start_loc, rows = ints.split(
             [num_tokens, num_tokens, num_tokens, num_seqs + 1, len(logits_rows)]
         )
+        window_tables = None
+        if window_block_ids is not None:
+            w = max((len(b) for b in window_block_ids), default=1) or 1
+            padded = [[*b, *[0] * (w - len(b))] for b in window_block_ids]
+            window_tables = torch.tensor(padded, dtype=torch.int32, device=device)
         return cls(
+            window_tables=window_tables,
             input_ids=ids,
             positions=pos,
             slot_mapping=slot,

@@ -38,6 +38,7 @@ from pdmesh_engine.config import EngineConfig, ModelConfig, read_json
 from pdmesh_engine.cpu_dtype import auto_cpu_dtype
 from pdmesh_engine.cuda_graphs import DecodeGraphs, capture_cuda, capture_eager
 from pdmesh_engine.forward_batch import ForwardBatch
+from pdmesh_engine.kv_cache import KVCacheManager
 from pdmesh_engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 from pdmesh_engine.model.deepseek_v4 import runtime as v4_runtime
 from pdmesh_engine.model.deepseek_v4.config import V4Config
@@ -146,6 +147,11 @@ class V3Family:
     def plan_kv(self, config: EngineConfig, dtype: torch.dtype, extra_bytes_per_block: int) -> Any:
         return plan_kv_layout(self.model_config, config, dtype, extra_bytes_per_block)
 
+    def make_kv_manager(
+        self, layout: Any, num_blocks: int, enable_caching: bool, recompute_last_hit: bool
+    ) -> Any:
+        return KVCacheManager(num_blocks, layout.block_size, enable_caching, recompute_last_hit)
+
     def allocate_kv(self, layout: Any, device: torch.device) -> Any:
         return allocate_kv_memory(
             layout.num_layers,
@@ -179,6 +185,11 @@ class V4Family:
 
     def plan_kv(self, config: EngineConfig, dtype: torch.dtype, extra_bytes_per_block: int) -> Any:
         return v4_runtime.plan_kv(self.model_config, config, dtype)
+
+    def make_kv_manager(
+        self, layout: Any, num_blocks: int, enable_caching: bool, recompute_last_hit: bool
+    ) -> Any:
+        return v4_runtime.make_kv_manager(layout, enable_caching)
 
     def allocate_kv(self, layout: Any, device: torch.device) -> Any:
         return v4_runtime.allocate_kv(self.model_config, layout, device)
@@ -269,6 +280,9 @@ class ModelRunner:
         )
         self.graphs = self._make_graphs() if use_graphs else None
         self.sampler = Sampler(seed=config.seed)
+        # a windowed family's second block table per request (set by the engine that owns the
+        # KV manager, pdmesh_engine.kv_window); None: one table
+        self.window_tables: Callable[[str], list[int]] | None = None
         # seeded requests being served, by request id
         self.generators: dict[str, torch.Generator] = {}
         self.spec: SpecDecoder | None = None
@@ -360,6 +374,7 @@ class ModelRunner:
             self.config.block_size,
             [s.needs_sample for s in items],
             self.device,
+            [self.window_tables(s.request_id) for s in items] if self.window_tables else None,
         )
         if self.graphs is not None and self.graphs.takes(batch):
             hidden = self.graphs.run(batch, self.expert_load)

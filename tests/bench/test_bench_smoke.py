@@ -147,3 +147,20 @@ def test_bench_forward_profiles_every_part_of_a_v4_step(tmp_path: Path) -> None:
         "moe (router + experts + shared)",
     ):
         assert _positive(parts.get(part, 0.0)), (part, sorted(parts))
+
+
+def test_bench_engine_against_transformers_on_v4(tmp_path: Path) -> None:
+    """The V4 engine against transformers' DeepseekV4ForCausalLM: same greedy tokens."""
+    pytest.importorskip("transformers")
+    from pdmesh.tools.model_init import init_model
+
+    model = init_model(tmp_path / "v4", "tiny", arch="deepseek_v4", verbose=False)
+    out = tmp_path / "engine.json"
+    argv = ["bench", "engine", "--model", str(model), "--quick", "--torch-threads", "1"]
+    assert main([*argv, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["hf"]["class"] == "DeepseekV4ForCausalLM"
+    for r in report["results"]:
+        assert r["outputs_match"] == r["concurrency"]
+        assert _positive(r["engine_tokens_per_s"]) and _positive(r["hf_tokens_per_s"])
+        assert r["roofline"] is None  # the decode cost model is MLA's

@@ -94,7 +94,9 @@ def kv_bytes(config: V4Config, dtype_bytes: int) -> KVBytes:
 
 
 class V4Cache:
-    """The pool tensors, `num_blocks` blocks of `block_size` tokens each. Block 0 is scratch."""
+    """The pool tensors: `num_blocks` full-pool blocks (compressed entries) and
+    `num_window_blocks` window-pool blocks (per-token window K=V and compressor rows), both of
+    `block_size` tokens (see pdmesh_engine.kv_window for who holds which)."""
 
     def __init__(
         self,
@@ -103,23 +105,26 @@ class V4Cache:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        num_window_blocks: int | None = None,
     ) -> None:
         check_block_size(config, block_size)
         self.block_size, self.num_blocks = block_size, num_blocks
+        self.num_window_blocks = num_window_blocks or num_blocks
         hd, ihd = config.head_dim, config.index_head_dim
 
-        def zeros(layers: int, per_block: int, width: int) -> torch.Tensor:
-            return torch.zeros(layers, num_blocks, per_block, width, dtype=dtype, device=device)
+        def zeros(layers: int, blocks: int, per_block: int, width: int) -> torch.Tensor:
+            return torch.zeros(layers, blocks, per_block, width, dtype=dtype, device=device)
 
         n_csa, n_hca = len(config.layers_of(CSA)), len(config.layers_of(HCA))
         r_csa, r_hca = config.rate(CSA), config.rate(HCA)
-        self.window = zeros(config.num_hidden_layers, block_size, hd)
-        self.csa_rows = zeros(n_csa, block_size, 4 * hd)
-        self.csa_index_rows = zeros(n_csa, block_size, 4 * ihd)
-        self.hca_rows = zeros(n_hca, block_size, 2 * hd)
-        self.csa_kv = zeros(n_csa, block_size // r_csa if n_csa else 1, hd)
-        self.csa_index = zeros(n_csa, block_size // r_csa if n_csa else 1, ihd)
-        self.hca_kv = zeros(n_hca, block_size // r_hca if n_hca else 1, hd)
+        w = self.num_window_blocks
+        self.window = zeros(config.num_hidden_layers, w, block_size, hd)
+        self.csa_rows = zeros(n_csa, w, block_size, 4 * hd)
+        self.csa_index_rows = zeros(n_csa, w, block_size, 4 * ihd)
+        self.hca_rows = zeros(n_hca, w, block_size, 2 * hd)
+        self.csa_kv = zeros(n_csa, num_blocks, block_size // r_csa, hd)
+        self.csa_index = zeros(n_csa, num_blocks, block_size // r_csa, ihd)
+        self.hca_kv = zeros(n_hca, num_blocks, block_size // r_hca, hd)
         # layer id -> its index among the layers of its kind
         self.kind_index = {
             layer: i for kind in (CSA, HCA) for i, layer in enumerate(config.layers_of(kind))
@@ -130,23 +135,24 @@ class V4Cache:
         return sum(t.nbytes for t in self.tensors())
 
     def tensors(self) -> list[torch.Tensor]:
-        return [
-            self.window,
-            self.csa_rows,
-            self.csa_index_rows,
-            self.hca_rows,
-            self.csa_kv,
-            self.csa_index,
-            self.hca_kv,
-        ]
+        return [*self.window_tensors(), *self.full_tensors()]
+
+    def window_tensors(self) -> list[torch.Tensor]:
+        return [self.window, self.csa_rows, self.csa_index_rows, self.hca_rows]
+
+    def full_tensors(self) -> list[torch.Tensor]:
+        return [self.csa_kv, self.csa_index, self.hca_kv]
 
     @staticmethod
-    def bytes_per_block(config: V4Config, block_size: int, dtype_bytes: int) -> int:
+    def block_bytes(config: V4Config, block_size: int, dtype_bytes: int) -> tuple[int, int]:
+        """(bytes of one full-pool block, bytes of one window-pool block)."""
         b = kv_bytes(config, dtype_bytes)
-        per_token = b.window_per_layer * config.num_hidden_layers + sum(
-            (b.rows[k] + b.entries[k]) * len(config.layers_of(k)) for k in (CSA, HCA)
-        )
-        return int(math.ceil(per_token * block_size))
+        n = {k: len(config.layers_of(k)) for k in (CSA, HCA)}
+        full = sum(b.entries[k] * n[k] for k in (CSA, HCA)) * block_size
+        window = (
+            b.window_per_layer * config.num_hidden_layers + sum(b.rows[k] * n[k] for k in n)
+        ) * block_size
+        return int(math.ceil(full)), int(window)
 
 
 @dataclass
@@ -182,8 +188,13 @@ class V4Step:
 
     @classmethod
     def build(cls, batch: ForwardBatch, config: V4Config, block_size: int) -> V4Step:
+        """`batch.block_tables` address the entries; `batch.window_tables` (the full tables when
+        absent) the per-token rows."""
         device = batch.input_ids.device
         table = batch.block_tables.long()
+        window_table = (
+            batch.window_tables if batch.window_tables is not None else batch.block_tables
+        ).long()
         lens = torch.tensor(
             [
                 batch.query_start_list[i + 1] - batch.query_start_list[i]
@@ -194,7 +205,7 @@ class V4Step:
         positions = batch.positions
 
         def row_slot(seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-            return table[seq, pos // block_size] * block_size + pos % block_size
+            return window_table[seq, pos // block_size] * block_size + pos % block_size
 
         w = config.sliding_window
         key_pos = positions[:, None] - (w - 1) + torch.arange(w, device=device)
@@ -205,7 +216,8 @@ class V4Step:
             for kind in (CSA, HCA)
             if kind in config.layer_types
         }
-        return cls(positions, token_seq, batch.slot_mapping, window_slots, window_valid, entries)
+        write_slots = row_slot(token_seq, positions)
+        return cls(positions, token_seq, write_slots, window_slots, window_valid, entries)
 
 
 def _entries(batch, table, rate, block_size, overlapped, row_slot) -> Entries:  # type: ignore[no-untyped-def]

@@ -1,11 +1,11 @@
 """DeepSeek-V4 as the model runner sees it: load the weights, size and allocate the cache.
 
-The engine's block pool hands out block ids; a V4 block holds, for its `block_size` tokens, every
-layer's window entry and compressor rows, and the block's compressed entries (kv.py). So a
-prefix-cache hit, a preemption's recompute and a chunk boundary need nothing beyond the blocks
-(the open windows' state is the rows of their tokens). The window entries and rows of tokens that
-left every window are still held with their block: a separate window pool that releases them is
-the next step (see the KV report at start: `KVBytes.describe`).
+Two pools (pdmesh_engine.kv_window): the full pool's blocks hold the compressed entries, for the
+whole context; the window pool's blocks hold every layer's window entry and compressor rows, and
+a request holds them only for the last `V4Config.window_span` positions and the step's chunk (the
+open windows' state is the rows of their tokens, so a chunk boundary needs nothing more). The
+window pool is sized for every running request plus one step's tokens plus a retention margin
+(window blocks kept for prefix hits); the full pool gets the rest of the memory.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 from pdmesh_engine import huge_pages
 from pdmesh_engine.checkpoint import iter_tensors
 from pdmesh_engine.config import EngineConfig
+from pdmesh_engine.kv_window import WindowedKVManager
 from pdmesh_engine.model.deepseek_v4.config import V4Config
 from pdmesh_engine.model.deepseek_v4.kv import (
     V4Cache,
@@ -35,14 +36,27 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class V4KVLayout:
-    num_blocks: int
+    num_blocks: int  # full pool
+    num_window_blocks: int
     block_size: int
     dtype: torch.dtype
-    bytes_per_block: int
+    bytes_per_block: int  # one full-pool block
+    bytes_per_window_block: int
+    span: int  # positions before a step's first token that it reads (window pool)
 
     @property
     def bytes_per_token(self) -> float:
+        """What a token of context costs (the full pool: its share of the compressed entries)."""
         return self.bytes_per_block / self.block_size
+
+
+def num_window_blocks(config: V4Config, engine: EngineConfig) -> int:
+    """NULL + every running request's window + one step's chunk of tokens + as many again as
+    the windows for retention (prefix hits)."""
+    assert engine.block_size is not None
+    window = -(-config.window_span // engine.block_size) + 1
+    chunk = -(-engine.max_num_batched_tokens // engine.block_size)
+    return 1 + 2 * engine.max_num_seqs * window + chunk
 
 
 def engine_config(config: V4Config, engine: EngineConfig) -> EngineConfig:
@@ -60,28 +74,57 @@ def engine_config(config: V4Config, engine: EngineConfig) -> EngineConfig:
 
 
 def plan_kv(config: V4Config, engine: EngineConfig, dtype: torch.dtype) -> V4KVLayout:
+    """The window pool first (`num_window_blocks`), the full pool from the rest of
+    `kv_cache_memory_bytes` (or `num_blocks` when given)."""
     assert engine.block_size is not None
     size = torch.tensor([], dtype=dtype).element_size()
-    per_block = V4Cache.bytes_per_block(config, engine.block_size, size)
-    num_blocks = engine.num_blocks or engine.kv_cache_memory_bytes // per_block
+    per_block, per_window_block = V4Cache.block_bytes(config, engine.block_size, size)
+    windows = num_window_blocks(config, engine)
+    left = engine.kv_cache_memory_bytes - windows * per_window_block
+    num_blocks = engine.num_blocks or max(left, 0) // per_block
     if num_blocks < 2:
         raise ValueError(
             f"kv_cache_memory_bytes={engine.kv_cache_memory_bytes} holds fewer than 2 V4 blocks "
-            f"({per_block} bytes each at block size {engine.block_size})"
+            f"after the window pool ({windows} x {per_window_block} bytes; a full block is "
+            f"{per_block} bytes at block size {engine.block_size})"
         )
-    return V4KVLayout(num_blocks, engine.block_size, dtype, per_block)
+    return V4KVLayout(
+        num_blocks,
+        windows,
+        engine.block_size,
+        dtype,
+        per_block,
+        per_window_block,
+        config.window_span,
+    )
+
+
+def make_kv_manager(layout: V4KVLayout, enable_caching: bool) -> WindowedKVManager:
+    return WindowedKVManager(
+        layout.num_blocks, layout.num_window_blocks, layout.block_size, layout.span, enable_caching
+    )
 
 
 def allocate_kv(config: V4Config, layout: V4KVLayout, device: torch.device) -> V4Cache:
     """The cache tensors; logs what a token costs per layer kind."""
-    cache = V4Cache(config, layout.num_blocks, layout.block_size, layout.dtype, device)
-    size = torch.tensor([], dtype=layout.dtype).element_size()
-    log.info(
-        "%s; %d blocks of %d tokens, %.0f bytes per block-token as held now",
-        kv_bytes(config, size).describe(config),
+    cache = V4Cache(
+        config,
         layout.num_blocks,
         layout.block_size,
-        layout.bytes_per_token,
+        layout.dtype,
+        device,
+        layout.num_window_blocks,
+    )
+    size = torch.tensor([], dtype=layout.dtype).element_size()
+    log.info(
+        "%s; pools of %d tokens per block: %d full blocks (%d bytes each), %d window blocks "
+        "(%d bytes each)",
+        kv_bytes(config, size).describe(config),
+        layout.block_size,
+        layout.num_blocks,
+        layout.bytes_per_block,
+        layout.num_window_blocks,
+        layout.bytes_per_window_block,
     )
     huge_pages.advise_all(cache.tensors())
     return cache
