@@ -42,7 +42,13 @@ from pdmesh_bench.machine import (
     time_calls,
 )
 from pdmesh_engine.forward_batch import ForwardBatch
-from pdmesh_engine.model_runner import ModelRunner, V3Family, family_of, read_model_config
+from pdmesh_engine.model_runner import (
+    ModelRunner,
+    V3Family,
+    V4Family,
+    family_of,
+    read_model_config,
+)
 from pdmesh_service.worker.engine_options import add_engine_options, engine_config
 
 PROFILE_ROWS = 15
@@ -127,9 +133,35 @@ def make_batch(
     starts = [context if phase == "decode" else 0] * batch
     if phase == "decode":
         fill_kv_cache(runner, batch * blocks_per_seq, gen)
-    return ForwardBatch.build(
-        tokens, starts, block_ids, runner.config.block_size, [True] * batch, runner.device
+    window_ids = (
+        window_tables(runner, batch, starts[0], starts[0] + new)
+        if isinstance(runner.family, V4Family)
+        else None
     )
+    return ForwardBatch.build(
+        tokens,
+        starts,
+        block_ids,
+        runner.config.block_size,
+        [True] * batch,
+        runner.device,
+        window_ids,
+    )
+
+
+def window_tables(runner: ModelRunner, batch: int, start: int, end: int) -> list[list[int]]:
+    """A windowed family's second tables: per sequence, distinct window-pool blocks for the
+    positions a step over [start, end) reads (from `start - span` on), 0 below."""
+    layout, size = runner.kv_layout, runner.config.block_size
+    first = max(0, start - layout.span) // size
+    last = -(-end // size)
+    per_seq = last - first
+    if 1 + batch * per_seq > layout.num_window_blocks:
+        raise ValueError(
+            f"the window pool has {layout.num_window_blocks} blocks, the batch reads "
+            f"{batch * per_seq}: raise --max-num-seqs or --max-num-batched-tokens"
+        )
+    return [[0] * first + list(range(1 + b * per_seq, 1 + (b + 1) * per_seq)) for b in range(batch)]
 
 
 def fill_kv_cache(runner: ModelRunner, num_blocks: int, gen: torch.Generator) -> None:
