@@ -79,3 +79,11 @@ def test_pdmesh_generate_runs_a_v4_checkpoint(tiny_v4: Path) -> None:
     )
     assert run.returncode == 0, run.stderr
     assert "unsupported architecture" not in run.stderr
+
+
+def test_the_mesh_refuses_a_v4_checkpoint_with_a_clear_error(tiny_v4: Path) -> None:
+    from pdmesh.launcher import MeshOptions
+    from pdmesh_engine.config import CheckpointError
+
+    with pytest.raises(CheckpointError, match="run offline in this release"):
+        MeshOptions(model_dir=tiny_v4)

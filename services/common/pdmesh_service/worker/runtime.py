@@ -31,7 +31,7 @@ import grpc
 from redis.exceptions import RedisError
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from pdmesh_engine.config import EngineConfig
+from pdmesh_engine.config import EngineConfig, check_mesh_model
 from pdmesh_engine.engine_core import EngineCore
 from pdmesh_engine.parallel.dep import DEPConfig, DEPContext, init_dep, shutdown_dep
 from pdmesh_engine.transfer.agent import KVTransferAgent
@@ -147,6 +147,7 @@ async def run_worker(
     dep: DEPOptions | None = None,
 ) -> None:
     """Serve until cancelled (see the module docstring)."""
+    check_mesh_model(model_dir)
     dep = dep if dep is not None and dep.size > 1 else None
     if dep is not None and not dep.is_rank:
         raise ValueError(
