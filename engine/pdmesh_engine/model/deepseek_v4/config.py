@@ -68,7 +68,7 @@ class V4Config:
     index_n_heads: int = 64
     index_head_dim: int = 128
     index_topk: int = 512
-    num_nextn_predict_layers: int = 0
+    num_nextn_predict_layers: int = 1  # as transformers defaults it (the release ships one)
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 1048576
     tie_word_embeddings: bool = False
