@@ -192,7 +192,7 @@ def count_mtp_parameters(config: ModelConfig) -> int:
     return sum(s.numel for s in weight_specs(config) if s.mtp)
 
 
-def _make_tensor(
+def make_tensor(
     spec: TensorSpec, gen: torch.Generator, done: dict[str, torch.Tensor]
 ) -> torch.Tensor:
     if spec.init == "copy":
@@ -246,7 +246,7 @@ def write_weights(
             log(f"generating weights: shard {k + 1}/{len(shards)}")
         tensors: dict[str, torch.Tensor] = {}
         for s in shard:
-            t = _make_tensor(s, gen, kept)
+            t = make_tensor(s, gen, kept)
             if s.name in sources:
                 kept[s.name] = t
             tensors[s.name] = t if s.fp32 or not t.is_floating_point() else t.to(torch_dtype)
@@ -364,6 +364,7 @@ def init_model(
     verbose: bool = True,
     expert_skew: float = 0.0,
     arch: str = "deepseek_v3",
+    format: str = "hf",
 ) -> Path:
     """Write a seeded random-weight checkpoint of `preset` to `out_dir` (atomically); returns its
     path. A trained preset (`TRAINED_PRESETS`) is a copy of its embedded trained checkpoint
@@ -371,17 +372,22 @@ def init_model(
 
     expert_skew: Zipf exponent of expert popularity per MoE layer (module docstring); 0: none.
     arch: deepseek_v3, or deepseek_v4 (model_init_v4.py; presets tiny and small).
+    format: deepseek_v4's layout, hf or official (the DeepSeek release's; model_init_v4.py).
     """
     if arch == "deepseek_v4":
-        from pdmesh.tools.model_init_v4 import v4_preset_config, write_v4_model
+        from pdmesh.tools.model_init_v4 import FORMATS, v4_preset_config, write_v4_model
 
         v4_preset_config(preset, dtype)  # validate before any work
         if expert_skew:
             raise ValueError("--expert-skew is not available for deepseek_v4 checkpoints yet")
+        if format not in FORMATS:
+            raise ValueError(f"unknown format {format!r}; choose from {FORMATS}")
     elif arch != "deepseek_v3":
         raise ValueError(f"unknown arch {arch!r}; choose deepseek_v3 or deepseek_v4")
     else:
         preset_config(preset, dtype)  # validate before any work
+    if format != "hf" and arch != "deepseek_v4":
+        raise ValueError(f"format {format!r} is for deepseek_v4 checkpoints only")
     if arch == "deepseek_v3" and preset in TRAINED_PRESETS and (seed or expert_skew):
         raise ValueError(
             f"{preset!r} is a trained preset: its weights are the embedded checkpoint "
@@ -399,7 +405,7 @@ def init_model(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         if arch == "deepseek_v4":
-            cfg = write_v4_model(tmp, preset, seed, dtype, max_shard_bytes, log)
+            cfg = write_v4_model(tmp, preset, seed, dtype, max_shard_bytes, log, format)
             write_json(
                 tmp / "pdmesh_init.json",
                 {
@@ -407,6 +413,7 @@ def init_model(
                     "preset": preset,
                     "seed": seed,
                     "dtype": dtype,
+                    "format": format,
                     "config": cfg,
                 },
             )

@@ -9,7 +9,7 @@
   `mlp.experts.gate_up_proj` fused [E, 2I, D], `attn_hc.fn`, ...).
 
 The model's own names are the release's, with the hyper-connection tensors as submodules
-(`hc_attn.fn`, `hc_head.fn`).
+(`hc_attn.fn`, `hc_head.fn`) and the attention's K=V norm as `attn.norm`.
 """
 
 from __future__ import annotations
@@ -47,9 +47,12 @@ _FROM_TRANSFORMERS = [
 _TRANSFORMERS_ONLY = re.compile(
     r"(\.self_attn\.|\.mlp\.|^embed_tokens\.|^lm_head\.|^hc_head\.hc_|_layernorm\.|_hc\.)"
 )
-_HYPER = [
+_MODEL_NAMES = [  # the release's name -> the model's parameter
     (re.compile(r"^hc_head_(fn|base|scale)$"), r"hc_head.\1"),
     (re.compile(r"\.hc_(attn|ffn)_(fn|base|scale)$"), r".hc_\1.\2"),
+    # the attention's K=V norm: `attn.kv_norm` in the release (llama.cpp's converter reads that
+    # name), `attn.norm` in transformers' default save layout (its reverse rename)
+    (re.compile(r"\.attn\.kv_norm\.weight$"), ".attn.norm.weight"),
 ]
 _EXPERT = re.compile(r"^(layers\.\d+\.ffn)\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
 _FUSED = re.compile(r"^(layers\.\d+\.ffn)\.experts\.(gate_up_proj|down_proj)$")
@@ -71,7 +74,7 @@ def canonical(name: str) -> str | None:
     name = release_name(name)
     if name.startswith("mtp."):
         return None
-    for pattern, repl in _HYPER:
+    for pattern, repl in _MODEL_NAMES:
         name = pattern.sub(repl, name)
     return name
 

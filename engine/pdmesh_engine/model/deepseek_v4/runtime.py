@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 from pdmesh_engine import huge_pages
-from pdmesh_engine.checkpoint import iter_tensors
 from pdmesh_engine.config import EngineConfig
 from pdmesh_engine.kv_window import WindowedKVManager
 from pdmesh_engine.model.deepseek_v4.config import V4Config
@@ -29,6 +28,7 @@ from pdmesh_engine.model.deepseek_v4.kv import (
     kv_bytes,
 )
 from pdmesh_engine.model.deepseek_v4.model import DeepseekV4ForCausalLM
+from pdmesh_engine.model.deepseek_v4.quant import iter_v4_tensors
 from pdmesh_engine.model.experts import to_row_tables
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ def load_model(
             if param.dim() >= 2 and not _keeps_fp32(module, name):
                 param.data = param.data.to(dtype)
     model.materialize()
-    model.load_weights(iter_tensors(model_dir))
+    model.load_weights(iter_v4_tensors(model_dir, dtype))
     if device.type == "cpu":  # the routed experts in the embedding-bag layout (experts.py)
         for moe in model.moe_experts:
             moe.w13.data, moe.w2.data = to_row_tables(moe.w13.data), to_row_tables(moe.w2.data)
