@@ -24,6 +24,14 @@ def register(commands: argparse._SubParsersAction) -> None:
         choices=["deepseek_v3", "deepseek_v4"],
         help="model family (deepseek_v4: random presets tiny and small)",
     )
+    init.add_argument(
+        "--format",
+        default="hf",
+        choices=["hf", "official"],
+        help="deepseek_v4's layout: hf (transformers' save layout, in --dtype) or official (the "
+        "DeepSeek release's: FP8 dense weights, MXFP4 routed experts, BF16/F32 for the rest, an "
+        "MTP layer; --dtype does not apply)",
+    )
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     init.add_argument(
@@ -40,12 +48,19 @@ def register(commands: argparse._SubParsersAction) -> None:
         "train",
         help="train a preset on the Python standard library's sources (resumable)",
         description="Train a DeepSeek-V3 preset (MLA, sigmoid-routed experts with "
-        "auxiliary-loss-free balancing, an MTP module) on the standard library's Python "
-        "sources; writes a Hugging Face checkpoint, training.json, loss_curve.png and a card.",
+        "auxiliary-loss-free balancing, an MTP module), or with --arch deepseek_v4 a DeepSeek-V4 "
+        "one (mHC, sliding-window + CSA/HCA attention with a Lightning Indexer, hash and top-k "
+        "routed experts, an MTP module), on the standard library's Python sources; writes a "
+        "Hugging Face checkpoint, training.json, loss_curve.png and a card.",
     )
     train.add_argument("dir", type=Path, help="run directory (the checkpoint is written there)")
+    train.add_argument("--arch", default="deepseek_v3", choices=["deepseek_v3", "deepseek_v4"])
     train.add_argument(
-        "--preset", default="coder", choices=["coder", "coder-draft", "tiny", "tiny-draft", "small"]
+        "--preset",
+        default=None,
+        choices=["coder", "coder-draft", "tiny", "tiny-draft", "small", "coder-v4"],
+        help="deepseek_v3: coder (default), coder-draft, tiny, tiny-draft, small; deepseek_v4: "
+        "coder-v4 (default), tiny, small",
     )
     train.add_argument("--steps", type=int, default=1000)
     train.add_argument("--batch-size", type=int, default=16, help="sequences per step")
@@ -94,6 +109,7 @@ def run_init(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         expert_skew=args.expert_skew,
         arch=args.arch,
+        format=args.format,
     )
     print(path)
     return 0
@@ -102,8 +118,10 @@ def run_init(args: argparse.Namespace) -> int:
 def run_train(args: argparse.Namespace) -> int:
     from pdmesh.train.trainer import TrainConfig, train
 
+    default = "coder-v4" if args.arch == "deepseek_v4" else "coder"
     config = TrainConfig(
-        preset=args.preset,
+        preset=args.preset or default,
+        arch=args.arch,
         steps=args.steps,
         batch_size=args.batch_size,
         seq_len=args.seq_len,

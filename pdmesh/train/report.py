@@ -11,6 +11,15 @@ import torch
 from tokenizers import Tokenizer
 
 from pdmesh.train.model import DeepseekV3ForTraining
+from pdmesh.train.model_v4 import DeepseekV4ForTraining
+
+ARCHITECTURES = {
+    "deepseek_v3": "A DeepSeek-V3-architecture model (MLA, shared + routed experts with sigmoid "
+    "routing and auxiliary-loss-free balancing",
+    "deepseek_v4": "A DeepSeek-V4-architecture model (manifold-constrained hyper-connections, "
+    "sliding-window attention with sinks plus compressed (CSA with a Lightning Indexer, HCA) "
+    "entries, hash-routed and top-k-routed experts with auxiliary-loss-free balancing",
+}
 
 # no trailing newline: the tokenizer merges a newline with the next line's indent, so a prompt that
 # ends in "\n" starts the model on a split it never saw in training
@@ -43,7 +52,7 @@ def write_loss_curve(history: dict[str, Any], path: Path, title: str) -> None:
 
 @torch.no_grad()
 def greedy_sample(
-    model: DeepseekV3ForTraining,
+    model: DeepseekV3ForTraining | DeepseekV4ForTraining,
     tokenizer: Tokenizer,
     prompt: str = SAMPLE_PROMPT,
     tokens: int = 48,
@@ -60,8 +69,11 @@ def greedy_sample(
 def write_card(summary: dict[str, Any], path: Path) -> None:
     """The model card: data, command, steps, tokens, time, losses, expert-load skew, a sample."""
     c = summary["config"]
+    arch = c.get("arch", "deepseek_v3")
     command = (
-        f"pdmesh model train DIR --preset {c['preset']} --steps {c['steps']} "
+        "pdmesh model train DIR "
+        + (f"--arch {arch} " if arch != "deepseek_v3" else "")
+        + f"--preset {c['preset']} --steps {c['steps']} "
         f"--batch-size {c['batch_size']} --seq-len {c['seq_len']} --lr {c['lr']} "
         f"--seed {c['seed']}"
     )
@@ -77,8 +89,7 @@ def write_card(summary: dict[str, Any], path: Path) -> None:
     lines = [
         f"# pdmesh `{c['preset']}` (trained)",
         "",
-        "A DeepSeek-V3-architecture model (MLA, shared + routed experts with sigmoid routing and",
-        "auxiliary-loss-free balancing"
+        ARCHITECTURES[arch]
         + (", one MTP module" if mtp else "")
         + ") trained by `pdmesh model train` on the Python standard library's own sources.",
         "",
@@ -92,7 +103,8 @@ def write_card(summary: dict[str, Any], path: Path) -> None:
         "held out (byte-level BPE trained on the train files) |",
         f"| parameters | {summary['parameters'] / 1e6:.2f}M"
         + (
-            " (MTP included; embedding and head shared with it, stored twice in the checkpoint)"
+            " (MTP included; embedding and head shared with it"
+            + (", stored twice in the checkpoint)" if arch == "deepseek_v3" else ")")
             if mtp
             else ""
         )

@@ -1,4 +1,5 @@
-"""`pdmesh model train`: train a DeepSeek-V3 preset on the standard library's Python sources.
+"""`pdmesh model train`: train a DeepSeek-V3 preset (or, with `--arch deepseek_v4`, a DeepSeek-V4
+one) on the standard library's Python sources.
 
 The run directory holds the run (`.train/`: the resumable state, the history) and, when it ends,
 the Hugging Face checkpoint (`export.py`), `training.json` with the figures of the run, the loss
@@ -9,7 +10,9 @@ Recipe: AdamW (betas 0.9/0.95, weight decay on matrices only), linear warmup the
 `min_lr_ratio`, gradient clipping at 1, bf16 autocast where the CPU has native bf16; the loss is
 next-token cross-entropy + `mtp_weight` x the MTP module's + `balance_weight` x the sequence-wise
 balance loss; after every step each router's correction bias moves by `bias_gamma` towards equal
-expert loads (DeepSeek-V3's auxiliary-loss-free balancing).
+expert loads (DeepSeek-V3's auxiliary-loss-free balancing). DeepSeek-V4 adds its indexers' KL loss
+(weight 1, it trains the Lightning Indexers only; `model_v4.py`), routes its hash layers by a frozen
+random table, and always trains one MTP module.
 """
 
 from __future__ import annotations
@@ -28,20 +31,26 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from pdmesh.tools.presets import preset_model_config
+from pdmesh.tools.model_init_v4 import V4_PRESETS, v4_preset_config
+from pdmesh.tools.presets import PRESETS, preset_model_config
 from pdmesh.tools.tokenizer_train import train_bpe
 from pdmesh.train.data import TokenStream, split, stdlib_sources
-from pdmesh.train.export import export_checkpoint
+from pdmesh.train.export import export_checkpoint, export_v4_checkpoint
 from pdmesh.train.model import DeepseekV3ForTraining
+from pdmesh.train.model_v4 import DeepseekV4ForTraining, LossesV4
 from pdmesh.train.report import SAMPLE_PROMPT, greedy_sample, write_card, write_loss_curve
 from pdmesh_engine.cpu_dtype import has_native_bf16
+from pdmesh_engine.model.deepseek_v4.config import V4Config
 
 STATE_DIR = ".train"
+ARCH_PRESETS = {"deepseek_v3": PRESETS, "deepseek_v4": V4_PRESETS}
+TrainingModel = DeepseekV3ForTraining | DeepseekV4ForTraining
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     preset: str = "coder"
+    arch: str = "deepseek_v3"  # deepseek_v3 | deepseek_v4
     steps: int = 1000
     batch_size: int = 16
     seq_len: int = 256
@@ -66,6 +75,13 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.autocast not in ("auto", "bf16", "off"):
             raise ValueError(f"autocast must be auto, bf16 or off, got {self.autocast!r}")
+        if self.arch not in ARCH_PRESETS:
+            raise ValueError(f"arch must be one of {sorted(ARCH_PRESETS)}, got {self.arch!r}")
+        if self.preset not in ARCH_PRESETS[self.arch]:
+            raise ValueError(
+                f"unknown {self.arch} preset {self.preset!r}; "
+                f"choose from {sorted(ARCH_PRESETS[self.arch])}"
+            )
 
     @property
     def tokens_per_step(self) -> int:
@@ -73,6 +89,18 @@ class TrainConfig:
 
     def use_bf16(self) -> bool:
         return self.autocast == "bf16" or (self.autocast == "auto" and has_native_bf16())
+
+
+def v4_config_json(preset: str, dtype: str) -> dict[str, Any]:
+    """config.json (transformers' spelling) of a DeepSeek-V4 preset as trained: one MTP module."""
+    return {**v4_preset_config(preset, dtype), "num_nextn_predict_layers": 1}
+
+
+def new_model(config: TrainConfig) -> TrainingModel:
+    """The untrained model of `config`'s arch and preset (weights not initialised)."""
+    if config.arch == "deepseek_v4":
+        return DeepseekV4ForTraining(V4Config.from_dict(v4_config_json(config.preset, "float32")))
+    return DeepseekV3ForTraining(preset_model_config(config.preset))
 
 
 def learning_rate(config: TrainConfig, step: int) -> float:
@@ -101,7 +129,7 @@ class Evaluation:
         return [max(load) * len(load) / max(sum(load), 1) for load in self.expert_load]
 
 
-def _optimizer(model: DeepseekV3ForTraining, config: TrainConfig) -> torch.optim.AdamW:
+def _optimizer(model: TrainingModel, config: TrainConfig) -> torch.optim.AdamW:
     decay = [p for n, p in model.named_parameters() if p.ndim == 2 and "embed" not in n]
     rest = [p for n, p in model.named_parameters() if not (p.ndim == 2 and "embed" not in n)]
     return torch.optim.AdamW(
@@ -117,7 +145,7 @@ def _optimizer(model: DeepseekV3ForTraining, config: TrainConfig) -> torch.optim
 
 @torch.no_grad()
 def evaluate(
-    model: DeepseekV3ForTraining, stream: TokenStream, config: TrainConfig, step: int
+    model: TrainingModel, stream: TokenStream, config: TrainConfig, step: int
 ) -> Evaluation:
     """Held-out losses over the first `eval_tokens` tokens, and the experts' loads there."""
     model.eval()
@@ -162,8 +190,9 @@ class Progress:
 
 
 def _without_threads(config: dict[str, Any]) -> dict[str, Any]:
-    """The settings a resumed run must share (the thread count may change)."""
-    return {k: v for k, v in config.items() if k != "threads"}
+    """The settings a resumed run must share (the thread count may change; a setting saved before
+    it existed counts as its default)."""
+    return {k: v for k, v in {**asdict(TrainConfig()), **config}.items() if k != "threads"}
 
 
 class Trainer:
@@ -189,6 +218,8 @@ class Trainer:
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
         if config.threads:
             torch.set_num_threads(config.threads)
+        if config.arch == "deepseek_v4":  # squares of tiny gradients in AdamW's second moments
+            torch.set_flush_denormal(True)  # are denormal floats; they slowed its steps severalfold
         self.progress = Progress(config.steps)
         self.say = log or self.progress.message
         self._init_data()
@@ -197,12 +228,12 @@ class Trainer:
     def _init_data(self) -> None:
         """The tokenizer (trained on the train files once per run, kept in the run's state
         folder) and both token streams."""
-        model_config = preset_model_config(self.config.preset)
+        vocab_size = ARCH_PRESETS[self.config.arch][self.config.preset]["vocab_size"]
         train_files, held_out_files = split(stdlib_sources())
         path = self.state_path.parent / "tokenizer.json"
         if not path.is_file():
             texts = [f.text for f in train_files]
-            path.write_text(train_bpe(texts, model_config.vocab_size), encoding="utf-8")
+            path.write_text(train_bpe(texts, vocab_size), encoding="utf-8")
         self.tokenizer_json = path.read_text(encoding="utf-8")
         self.tokenizer = Tokenizer.from_str(self.tokenizer_json)
         self.train_stream = TokenStream(train_files, self.tokenizer)
@@ -217,7 +248,7 @@ class Trainer:
         loss at initialisation, the baseline of the card)."""
         config = self.config
         torch.manual_seed(config.seed)
-        self.model = DeepseekV3ForTraining(preset_model_config(config.preset))
+        self.model = new_model(config)
         self.model.init_weights(config.seed)
         self.optimizer = _optimizer(self.model, config)
         self.history: dict[str, Any] = {"train": [], "eval": []}
@@ -246,7 +277,7 @@ class Trainer:
             {"start_step": self.step, "threads": torch.get_num_threads()}
         )
         self.say(
-            f"training {config.preset}: "
+            f"training {config.arch} {config.preset}: "
             f"{sum(p.numel() for p in self.model.parameters()) / 1e6:.1f}M parameters, "
             f"{config.steps} steps of {config.tokens_per_step} tokens, "
             f"bf16 autocast {'on' if config.use_bf16() else 'off'}"
@@ -297,6 +328,8 @@ class Trainer:
             "grad_norm": grad_norm,
             "lr": learning_rate(config, self.step),
         }
+        if isinstance(losses, LossesV4):
+            record["indexer_loss"] = losses.indexer.item()
         self.step += 1
         self.history["train"].append(record)
         return record
@@ -323,15 +356,21 @@ class Trainer:
         torch.save(state, tmp)
         os.replace(tmp, self.state_path)
 
+    def _export(self) -> int:
+        """The checkpoint in the run directory; returns the weights' bytes."""
+        config, model, out = self.config, self.model, self.out
+        if isinstance(model, DeepseekV4ForTraining):
+            cfg = v4_config_json(config.preset, config.dtype)
+            return export_v4_checkpoint(model, cfg, self.tokenizer_json, out, config.dtype)
+        return export_checkpoint(model, config.preset, self.tokenizer_json, out, config.dtype)
+
     def _finish(self) -> dict[str, Any]:
         """Export the checkpoint, then training.json, the loss curve and the card."""
         out, config, model = self.out, self.config, self.model
         summary = _summary(
             config, self.history, self.elapsed, len(self.train_stream), len(self.held_out), model
         )
-        weight_bytes = export_checkpoint(
-            model, config.preset, self.tokenizer_json, out, config.dtype
-        )
+        weight_bytes = self._export()
         summary["weight_bytes"] = weight_bytes
         summary["sample"] = {
             "prompt": SAMPLE_PROMPT,
@@ -363,7 +402,7 @@ def _summary(
     elapsed: float,
     train_tokens: int,
     held_out_tokens: int,
-    model: DeepseekV3ForTraining,
+    model: TrainingModel,
 ) -> dict[str, Any]:
     first, last = Evaluation(**history["eval"][0]), Evaluation(**history["eval"][-1])
     tail = history["train"][-max(1, min(50, len(history["train"]))) :]
