@@ -112,7 +112,7 @@ class StepProbe:
     objects."""
 
     def __init__(self, engine: EngineCore) -> None:
-        from pdmesh_engine.model.layers import MLAttention
+        from pdmesh_engine.model.deepseek_v3.layers import MLAttention
 
         self.engine = engine
         self.seconds = {"attention": 0.0, "expert": 0.0, "model": 0.0}

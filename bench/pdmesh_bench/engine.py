@@ -63,7 +63,7 @@ from pdmesh_bench.machine import (
 )
 from pdmesh_bench.spec import run_spec
 from pdmesh_engine.engine_core import EngineCore
-from pdmesh_engine.model_runner import V3Family
+from pdmesh_engine.model.deepseek_v3.runtime import V3Family
 from pdmesh_engine.sampling import SamplingParams
 from pdmesh_engine.scheduler import SchedulerOutput
 from pdmesh_service.worker.engine_options import (

@@ -42,13 +42,10 @@ from pdmesh_bench.machine import (
     time_calls,
 )
 from pdmesh_engine.forward_batch import ForwardBatch
-from pdmesh_engine.model_runner import (
-    ModelRunner,
-    V3Family,
-    V4Family,
-    family_of,
-    read_model_config,
-)
+from pdmesh_engine.model.deepseek_v3.runtime import V3Family
+from pdmesh_engine.model.deepseek_v4.runtime import V4Family
+from pdmesh_engine.model.registry import family_of, read_model_config
+from pdmesh_engine.model_runner import ModelRunner
 from pdmesh_service.worker.engine_options import add_engine_options, engine_config
 
 PROFILE_ROWS = 15
@@ -190,9 +187,9 @@ def forward_fn(runner: ModelRunner, batch: ForwardBatch) -> Callable[[], torch.T
 
 
 def _module_labels() -> dict[type, str]:
+    from pdmesh_engine.model.deepseek_v3.layers import DenseMLP, MLAttention, RMSNorm
     from pdmesh_engine.model.deepseek_v4 import attention as v4_attention
     from pdmesh_engine.model.deepseek_v4 import blocks as v4
-    from pdmesh_engine.model.layers import DenseMLP, MLAttention, RMSNorm
     from pdmesh_engine.model.moe import MoE, Router
 
     return {
@@ -224,7 +221,8 @@ def _label(labels: dict[type, str], module: torch.nn.Module) -> str:
 def _kernel_entry_points() -> list[tuple[Any, str, str]]:
     """(module, attribute, label) of the kernel functions the model calls, timed like modules
     (CUDA runs the `kernel` ones, CPU the `cpu` ones; only those called are reported)."""
-    from pdmesh_engine.model import experts, layers
+    from pdmesh_engine.model import experts
+    from pdmesh_engine.model.deepseek_v3 import layers
 
     return [
         (layers, "mla_decode_attention", "kernel mla_decode_attention"),
@@ -285,7 +283,7 @@ def op_counts(model: torch.nn.Module, fn: Callable[[], Any]) -> dict[str, Any]:
     "moe_layer" (the mean over layers of that kind, 0 when there is none)}."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from pdmesh_engine.model.deepseek_v3 import DecoderLayer
+    from pdmesh_engine.model.deepseek_v3.model import DecoderLayer
     from pdmesh_engine.model.moe import MoE
 
     class Counter(TorchDispatchMode):
@@ -412,7 +410,7 @@ def summarize(
         "dtype": str(runner.dtype).removeprefix("torch."),
         "device": str(runner.device),
         "threads": torch.get_num_threads(),
-        # which path ran the layers: "c" (pdmesh_engine.model.cpu_path, one C call) or "torch"
+        # which path ran the layers: "c" (model.deepseek_v3.cpu_path, one C call) or "torch"
         "layer_path": "c"
         if cpu_layers is not None and cpu_layers.takes(batch, runner.kv_caches)
         else "torch",

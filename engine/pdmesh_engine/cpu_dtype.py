@@ -21,16 +21,15 @@ So `auto_cpu_dtype` picks bf16 only on CPUs with native bf16 and for models of h
 `BF16_MIN_HIDDEN` or more, where bf16 is clearly faster for one user and for a full batch alike;
 otherwise fp32 (which also keeps the small models, and the tests, exact against `transformers`).
 
-The CPU layer path (`model.cpu_path`) has since made bf16 pay on any x86 CPU with AVX2 for the
-batches it runs: it reads bf16 weights and cache and computes in fp32 (`--dtype bfloat16`; on
-the 157M `small` preset, 2 threads, `bench engine` decode tokens/s in bf16 against fp32: 135
+The CPU layer path (`model.deepseek_v3.cpu_path`) has since made bf16 pay on any x86 CPU with AVX2
+for the batches it runs: it reads bf16 weights and cache and computes in fp32 (`--dtype bfloat16`;
+on the 157M `small` preset, 2 threads, `bench engine` decode tokens/s in bf16 against fp32: 135
 against 109 at one user, 497 against 405 at 32). `auto` still keeps fp32 there: without bf16
-instructions torch's bf16 GEMMs run ~30x slower than its fp32 ones, and the paths the C one does
-not cover (DEP ranks) would take them.
-The choice is a function of the CPU's features and the model config, never of a timing taken at
-start-up, so the processes of one deployment on like machines agree (prefill and decode exchange KV
-in that dtype, DEP ranks exchange hidden states). AMX machines follow the same rule (not measured
-here).
+instructions torch's bf16 GEMMs run ~30x slower than its fp32 ones, and the paths the C one does not
+cover (DEP ranks) would take them. The choice is a function of the CPU's features and the model
+config, never of a timing taken at start-up, so the processes of one deployment on like machines
+agree (prefill and decode exchange KV in that dtype, DEP ranks exchange hidden states). AMX machines
+follow the same rule (not measured here).
 """
 
 from __future__ import annotations

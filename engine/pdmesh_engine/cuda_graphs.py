@@ -41,7 +41,7 @@ from typing import cast
 import torch
 
 from pdmesh_engine.forward_batch import ForwardBatch
-from pdmesh_engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+from pdmesh_engine.model.deepseek_v3.model import DeepseekV3ForCausalLM
 from pdmesh_engine.model.moe import ExpertLoadRecorder, LocalDispatcher
 
 StepFn = Callable[[], torch.Tensor]

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING
 from pdmesh_engine.config import EngineConfig
 from pdmesh_engine.kv_cache import KVCacheStats
 from pdmesh_engine.kv_window import WindowedKVManager
-from pdmesh_engine.model_runner import ModelRunner, read_model_config
+from pdmesh_engine.model.registry import read_model_config
+from pdmesh_engine.model_runner import ModelRunner
 from pdmesh_engine.parallel.dep import DEPContext, LockstepStepper
 from pdmesh_engine.parallel.placement import (
     CheckpointTensors,
@@ -55,8 +56,8 @@ TARGET, DRAFT = "target", "draft"
 if TYPE_CHECKING:
     import torch
 
+    from pdmesh_engine.model.deepseek_v3.runtime import KVLayout
     from pdmesh_engine.model.moe import ExpertLoadRecorder
-    from pdmesh_engine.model_runner import KVLayout
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """Paged KV cache: the block pool (memory and bookkeeping) and the per-request block manager.
 
-Memory (allocated by the model runner, `model_runner.allocate_kv_memory`; this module is pure
-bookkeeping and imports no torch): one contiguous tensor `[num_layers, num_blocks, block_size, L +
-R]` holding the MLA latent and rope key of every cached token; a block's bytes in one layer are
-contiguous, so the pool can be registered once with NIXL and addressed per (layer, block).
+Memory (allocated by the model family, `model.deepseek_v3.runtime.allocate_kv_memory` for V3; this
+module is pure bookkeeping and imports no torch): one contiguous tensor `[num_layers, num_blocks,
+block_size, L + R]` holding the MLA latent and rope key of every cached token; a block's bytes in
+one layer are contiguous, so the pool can be registered once with NIXL and addressed per (layer,
+block).
 
 Bookkeeping invariants (checked by `check_integrity`):
 - every block is in exactly one of: in use (ref_count > 0), cached (ref 0, has a hash, evictable),
@@ -272,6 +273,10 @@ class KVCacheManager:
 
     def blocks_of(self, request_id: str) -> list[int]:
         return self.req_blocks.get(request_id, [])
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash the pool holds now: a snapshot for the prefix index."""
+        return self.pool.cached_hashes()
 
     def check_integrity(self) -> None:
         self.pool.check_integrity(list(self.req_blocks.values()))

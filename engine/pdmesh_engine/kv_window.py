@@ -138,6 +138,10 @@ class WindowedKVManager:
     def blocks_of(self, request_id: str) -> list[int]:
         return self.full.blocks_of(request_id)
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """The full pool's hashes (the prefix index follows the full chain)."""
+        return self.full.cached_hashes()
+
     def window_table(self, request_id: str) -> list[int]:
         """The request's window block per logical index (`NULL_BLOCK` behind the window)."""
         return self.tables.get(request_id, [])

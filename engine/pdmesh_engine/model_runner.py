@@ -1,5 +1,9 @@
 """The model runner: owns the weights, the KV memory and the sampler of one engine.
 
+What differs between model families (loading, the KV layout and its manager) comes from the
+checkpoint's family (`pdmesh_engine.model.registry.family_of`: `deepseek_v3.runtime.V3Family`,
+`deepseek_v4.runtime.V4Family`); speculative decoding and CUDA graphs are V3's.
+
 `execute(SchedulerOutput) -> {request_id: SampledToken}`: build a `ForwardBatch`, run the model
 (a decode-only step where the Triton kernels run: by replaying a CUDA graph, see
 pdmesh_engine.cuda_graphs), compute logits only for rows that sample, sample. The only place that
@@ -23,26 +27,22 @@ own (`Proposer.expert_load`, the same window as the target's).
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pdmesh_engine import huge_pages
-from pdmesh_engine.checkpoint import DTYPES, iter_tensors
-from pdmesh_engine.config import EngineConfig, ModelConfig, read_json
+from pdmesh_engine.checkpoint import DTYPES
+from pdmesh_engine.config import EngineConfig, ModelConfig
 from pdmesh_engine.cpu_dtype import auto_cpu_dtype
 from pdmesh_engine.cuda_graphs import DecodeGraphs, capture_cuda, capture_eager
 from pdmesh_engine.forward_batch import ForwardBatch
-from pdmesh_engine.kv_cache import KVCacheManager
-from pdmesh_engine.model.deepseek_v3 import DeepseekV3ForCausalLM
-from pdmesh_engine.model.deepseek_v4 import runtime as v4_runtime
-from pdmesh_engine.model.deepseek_v4.config import V4Config
+from pdmesh_engine.model.deepseek_v3.model import DeepseekV3ForCausalLM
+from pdmesh_engine.model.deepseek_v3.runtime import V3Family, load_model
 from pdmesh_engine.model.moe import ExpertLoadRecorder, MoE
+from pdmesh_engine.model.registry import family_of
 from pdmesh_engine.request import Request
 from pdmesh_engine.sampler import Sampler, SamplerOutput
 from pdmesh_engine.scheduler import SampledToken, SchedulerOutput, SpecTokens
@@ -65,178 +65,6 @@ def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) ->
     if device.type == "cpu":
         return auto_cpu_dtype(model_config)
     return DTYPES.get(model_config.torch_dtype, torch.bfloat16)
-
-
-def allocate_kv_memory(
-    num_layers: int,
-    num_blocks: int,
-    block_size: int,
-    entry_dim: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> torch.Tensor:
-    """The KV pool's memory: [num_layers, num_blocks, block_size, entry_dim], zeroed, contiguous
-    (on CPU in huge pages where Linux gives them: decode reads blocks all over the pool)."""
-    memory = torch.empty(
-        (num_layers, num_blocks, block_size, entry_dim), dtype=dtype, device=device
-    )
-    huge_pages.advise(memory, collapse=False)  # before the first touch: no copy
-    memory.zero_()
-    # pages the allocator had touched before (heap it reused) are copied into huge pages now
-    huge_pages.advise(memory, collapse=True)
-    return memory
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    num_layers: int
-    num_blocks: int
-    block_size: int
-    entry_dim: int
-    dtype: torch.dtype
-
-    @property
-    def bytes_per_token(self) -> int:
-        return self.num_layers * self.entry_dim * torch.tensor([], dtype=self.dtype).element_size()
-
-    @property
-    def bytes_per_block(self) -> int:
-        return self.bytes_per_token * self.block_size
-
-
-def plan_kv_layout(
-    model_config: ModelConfig,
-    config: EngineConfig,
-    dtype: torch.dtype,
-    extra_bytes_per_block: int = 0,
-) -> KVLayout:
-    """The target's KV pool; `extra_bytes_per_block`: what a block costs besides (a speculative
-    proposer's own cache, addressed by the same block ids) within `kv_cache_memory_bytes`."""
-    probe = KVLayout(
-        model_config.num_hidden_layers, 1, config.block_size, model_config.kv_cache_dim, dtype
-    )
-    num_blocks = config.num_blocks or config.kv_cache_memory_bytes // (
-        probe.bytes_per_block + extra_bytes_per_block
-    )
-    if num_blocks < 1:
-        raise ValueError(
-            f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no block "
-            f"({probe.bytes_per_block} bytes each)"
-        )
-    return KVLayout(probe.num_layers, num_blocks, config.block_size, probe.entry_dim, dtype)
-
-
-class V3Family:
-    """DeepSeek-V3 as the runner sees it (the functions above)."""
-
-    def __init__(self, model_config: ModelConfig) -> None:
-        self.model_config = model_config
-
-    def engine_config(self, config: EngineConfig) -> EngineConfig:
-        return config if config.block_size is not None else replace(config, block_size=16)
-
-    def load(
-        self,
-        model_dir: Path,
-        device: torch.device,
-        dtype: torch.dtype,
-        model_kwargs: dict[str, Any],
-    ) -> Any:
-        return load_model(model_dir, self.model_config, device, dtype, model_kwargs)
-
-    def plan_kv(self, config: EngineConfig, dtype: torch.dtype, extra_bytes_per_block: int) -> Any:
-        return plan_kv_layout(self.model_config, config, dtype, extra_bytes_per_block)
-
-    def make_kv_manager(
-        self, layout: Any, num_blocks: int, enable_caching: bool, recompute_last_hit: bool
-    ) -> Any:
-        return KVCacheManager(num_blocks, layout.block_size, enable_caching, recompute_last_hit)
-
-    def allocate_kv(self, layout: Any, device: torch.device) -> Any:
-        return allocate_kv_memory(
-            layout.num_layers,
-            layout.num_blocks,
-            layout.block_size,
-            layout.entry_dim,
-            layout.dtype,
-            device,
-        )
-
-
-class V4Family:
-    """DeepSeek-V4 (pdmesh_engine.model.deepseek_v4.runtime)."""
-
-    def __init__(self, model_config: V4Config) -> None:
-        self.model_config = model_config
-
-    def engine_config(self, config: EngineConfig) -> EngineConfig:
-        return v4_runtime.engine_config(self.model_config, config)
-
-    def load(
-        self,
-        model_dir: Path,
-        device: torch.device,
-        dtype: torch.dtype,
-        model_kwargs: dict[str, Any],
-    ) -> Any:
-        if model_kwargs:
-            raise ValueError("DeepSeek-V4 does not run under DEP yet")
-        return v4_runtime.load_model(model_dir, self.model_config, device, dtype)
-
-    def plan_kv(self, config: EngineConfig, dtype: torch.dtype, extra_bytes_per_block: int) -> Any:
-        return v4_runtime.plan_kv(self.model_config, config, dtype)
-
-    def make_kv_manager(
-        self, layout: Any, num_blocks: int, enable_caching: bool, recompute_last_hit: bool
-    ) -> Any:
-        return v4_runtime.make_kv_manager(layout, enable_caching)
-
-    def allocate_kv(self, layout: Any, device: torch.device) -> Any:
-        return v4_runtime.allocate_kv(self.model_config, layout, device)
-
-
-def read_model_config(model_dir: str | Path) -> ModelConfig | V4Config:
-    """A checkpoint's config.json, parsed by its family (architectures, else model_type)."""
-    path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        return ModelConfig.from_dir(path)  # its errors name what is missing
-    raw = read_json(path / "config.json")
-    archs = raw.get("architectures") or []
-    if "DeepseekV4ForCausalLM" in archs or (not archs and raw.get("model_type") == "deepseek_v4"):
-        return V4Config.from_dict(raw)
-    return ModelConfig.from_dict(raw)
-
-
-def family_of(model_config: ModelConfig | V4Config) -> V3Family | V4Family:
-    """The model family of a parsed config (the one place that tells them apart)."""
-    if isinstance(model_config, V4Config):
-        return V4Family(model_config)
-    return V3Family(model_config)
-
-
-def load_model(
-    model_dir: Path,
-    model_config: ModelConfig,
-    device: torch.device,
-    dtype: torch.dtype,
-    model_kwargs: dict[str, Any] | None = None,
-    load_mtp: bool = True,
-) -> DeepseekV3ForCausalLM:
-    """A checkpoint's model on `device` in `dtype` (routing in fp32), ready to run."""
-    with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(model_config, load_mtp=load_mtp, **(model_kwargs or {}))
-    model = model.to_empty(device=device).to(dtype)
-    for layer in model.moe_layers:  # routing stays in fp32, as the reference keeps it
-        layer.gate.float()
-        layer.set_placement(layer.placement)
-    model.rope.materialize(model_config)  # computed buffers, not checkpoint tensors
-    model.load_weights(iter_tensors(model_dir))
-    if device.type == "cpu" and not uses_triton(device):  # else the CUDA path (`force_triton`)
-        model.use_cpu_layouts()
-        copies = model.cpu_layers.tensors() if model.cpu_layers is not None else ()
-        huge_pages.advise_all(itertools.chain(model.parameters(), model.buffers(), copies))
-    model.eval()
-    return model
 
 
 class ModelRunner:

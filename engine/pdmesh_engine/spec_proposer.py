@@ -49,7 +49,7 @@ import torch
 
 from pdmesh_engine.config import ModelConfig
 from pdmesh_engine.forward_batch import ForwardBatch
-from pdmesh_engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+from pdmesh_engine.model.deepseek_v3.model import DeepseekV3ForCausalLM
 from pdmesh_engine.model.moe import ExpertLoadRecorder
 
 # (logits [B', V] of the proposing requests `seq_indices`, draft index j) -> one token id each

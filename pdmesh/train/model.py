@@ -25,7 +25,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdmesh_engine.config import ModelConfig
-from pdmesh_engine.model.layers import DenseMLP, RMSNorm, RotaryEmbedding, attention_scale
+from pdmesh_engine.model.deepseek_v3.layers import (
+    DenseMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    attention_scale,
+)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:

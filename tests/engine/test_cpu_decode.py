@@ -26,8 +26,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from pdmesh_engine.config import ModelConfig
 from pdmesh_engine.forward_batch import ForwardBatch
 from pdmesh_engine.model import experts
-from pdmesh_engine.model.attention import DecodeGather, mla_decode_cpu
-from pdmesh_engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+from pdmesh_engine.model.deepseek_v3.attention import DecodeGather, mla_decode_cpu
+from pdmesh_engine.model.deepseek_v3.model import DeepseekV3ForCausalLM
 from pdmesh_engine.model.experts import (
     expert_rows,
     has_row_tables,

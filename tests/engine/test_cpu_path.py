@@ -1,4 +1,4 @@
-"""The small-batch CPU path (`pdmesh_engine.model.cpu_path`, the C kernel of
+"""The small-batch CPU path (`pdmesh_engine.model.deepseek_v3.cpu_path`, the C kernel of
 `pdmesh_kernels.cpu_layers`) against the engine's torch path on the same weights:
 
 - for the three reference configs (q-LoRA or not, interleaved or not, yarn, attention biases,
@@ -34,10 +34,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pdmesh_engine.config import ModelConfig
 from pdmesh_engine.forward_batch import ForwardBatch
-from pdmesh_engine.model import cpu_path
-from pdmesh_engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+from pdmesh_engine.model.deepseek_v3 import cpu_path
+from pdmesh_engine.model.deepseek_v3.model import DeepseekV3ForCausalLM
+from pdmesh_engine.model.deepseek_v3.runtime import load_model
 from pdmesh_engine.model.moe import ExpertDispatcher, ExpertLoadRecorder, ExpertPlacement, MoE
-from pdmesh_engine.model_runner import load_model
 from pdmesh_kernels import cpu_layers
 
 pytestmark = pytest.mark.skipif(

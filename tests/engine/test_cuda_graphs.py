@@ -29,8 +29,8 @@ from pdmesh_engine import SamplingParams  # noqa: E402
 from pdmesh_engine.config import ModelConfig  # noqa: E402
 from pdmesh_engine.cuda_graphs import DecodeGraphs, buckets, capture_eager  # noqa: E402
 from pdmesh_engine.forward_batch import ForwardBatch  # noqa: E402
+from pdmesh_engine.model.deepseek_v3.runtime import load_model  # noqa: E402
 from pdmesh_engine.model.moe import ExpertLoadRecorder, ExpertPlacement  # noqa: E402
-from pdmesh_engine.model_runner import load_model  # noqa: E402
 from pdmesh_kernels import force_triton  # noqa: E402
 from pdmesh_service.worker.engine_options import (  # noqa: E402
     add_engine_options,

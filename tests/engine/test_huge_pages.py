@@ -10,7 +10,7 @@ import torch
 from memory_maps import huge_bytes, huge_pages_available
 
 from pdmesh_engine import huge_pages
-from pdmesh_engine.model_runner import allocate_kv_memory
+from pdmesh_engine.model.deepseek_v3.runtime import allocate_kv_memory
 
 pytestmark = pytest.mark.skipif(
     not huge_pages_available(), reason="transparent huge pages are not available on this kernel"

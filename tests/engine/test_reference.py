@@ -32,7 +32,7 @@ pytest.importorskip("transformers")
 
 from pdmesh_engine import EngineConfig, EngineCore, SamplingParams  # noqa: E402
 from pdmesh_engine.forward_batch import ForwardBatch  # noqa: E402
-from pdmesh_engine.model import attention  # noqa: E402
+from pdmesh_engine.model.deepseek_v3 import attention  # noqa: E402
 
 MODELS = ("base", "yarn_noqlora", "yarn_dense2")
 FP32_ATOL = 1e-4  # max |logit difference| to transformers in fp32

@@ -28,7 +28,7 @@ from pdmesh_engine.model.deepseek_v4.quant import (
     mxfp4_dequantize,
     mxfp4_quantize,
 )
-from pdmesh_engine.model.layers import rope_inv_freq
+from pdmesh_engine.model.rope import rope_inv_freq
 
 
 def _gen() -> torch.Generator:

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdmesh_engine.config import ModelConfig
+from pdmesh_engine.model.deepseek_v3.layers import DenseMLP
 from pdmesh_engine.model.experts import routed_experts, to_row_tables
-from pdmesh_engine.model.layers import DenseMLP
 
 
 @dataclass(frozen=True)

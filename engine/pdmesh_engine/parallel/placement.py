@@ -48,7 +48,7 @@ from safetensors import SafetensorError, safe_open
 
 from pdmesh_engine.checkpoint import tensor_names
 from pdmesh_engine.config import CheckpointError
-from pdmesh_engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+from pdmesh_engine.model.deepseek_v3.model import DeepseekV3ForCausalLM
 from pdmesh_engine.model.moe import (
     EXPERT_PARTS,
     ExpertLoadRecorder,

@@ -15,7 +15,7 @@ from torch import nn
 
 from pdmesh_engine.model.deepseek_v4.config import HASH_MOE, RopeSpec, V4Config
 from pdmesh_engine.model.experts import routed_experts, swiglu
-from pdmesh_engine.model.layers import rope_inv_freq
+from pdmesh_engine.model.rope import rope_inv_freq
 
 
 class RMSNorm(nn.Module):

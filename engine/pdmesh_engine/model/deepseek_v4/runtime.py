@@ -156,3 +156,38 @@ def _keeps_fp32(module: torch.nn.Module, name: str) -> bool:
     from pdmesh_engine.model.deepseek_v4.blocks import HyperConnection, HyperHead, Router
 
     return isinstance(module, (HyperConnection, HyperHead, Router))
+
+
+class V4Family:
+    """DeepSeek-V4 as the model runner sees it (the functions above; the runner's interface is
+    V3Family's)."""
+
+    def __init__(self, model_config: V4Config) -> None:
+        self.model_config = model_config
+
+    def engine_config(self, config: EngineConfig) -> EngineConfig:
+        return engine_config(self.model_config, config)
+
+    def load(
+        self,
+        model_dir: Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        model_kwargs: dict[str, object],
+    ) -> DeepseekV4ForCausalLM:
+        if model_kwargs:
+            raise ValueError("DeepSeek-V4 does not run under DEP yet")
+        return load_model(model_dir, self.model_config, device, dtype)
+
+    def plan_kv(
+        self, config: EngineConfig, dtype: torch.dtype, extra_bytes_per_block: int
+    ) -> V4KVLayout:
+        return plan_kv(self.model_config, config, dtype)
+
+    def make_kv_manager(
+        self, layout: V4KVLayout, num_blocks: int, enable_caching: bool, recompute_last_hit: bool
+    ) -> WindowedKVManager:
+        return make_kv_manager(layout, enable_caching)
+
+    def allocate_kv(self, layout: V4KVLayout, device: torch.device) -> V4Cache:
+        return allocate_kv(self.model_config, layout, device)

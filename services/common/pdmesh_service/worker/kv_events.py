@@ -64,7 +64,7 @@ def drain_kv_events(engine: EngineCore, snapshot: bool) -> KVBatch:
     batch (pending changes are dropped either way: the snapshot covers them)."""
     events = engine.kv.take_events()
     if snapshot or events.is_lost:
-        return KVBatch(engine.kv.pool.cached_hashes(), [], True)
+        return KVBatch(engine.kv.cached_hashes(), [], True)
     return KVBatch(events.stored, events.removed, False)
 
 

@@ -44,13 +44,13 @@ from torch import nn
 
 from pdmesh_engine import huge_pages
 from pdmesh_engine.forward_batch import ForwardBatch
-from pdmesh_engine.model.layers import DenseMLP, RMSNorm
+from pdmesh_engine.model.deepseek_v3.layers import DenseMLP, RMSNorm
 from pdmesh_engine.model.moe import ExpertLoadRecorder, ExpertPlacement, LocalDispatcher, MoE
 from pdmesh_kernels import cpu_layers
 from pdmesh_kernels.cpu_layers import Dims, Layer, Packed, f32, i64, weights
 
 if TYPE_CHECKING:
-    from pdmesh_engine.model.deepseek_v3 import DecoderLayer, DeepseekV3ForCausalLM, MTPLayer
+    from pdmesh_engine.model.deepseek_v3.model import DecoderLayer, DeepseekV3ForCausalLM, MTPLayer
 
 log = logging.getLogger(__name__)
 

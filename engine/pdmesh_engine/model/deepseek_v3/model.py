@@ -19,9 +19,9 @@ from torch import nn
 
 from pdmesh_engine.config import CheckpointError, ModelConfig
 from pdmesh_engine.forward_batch import ForwardBatch
-from pdmesh_engine.model.attention import AttentionMetadata, DecodeGather
-from pdmesh_engine.model.cpu_path import CpuLayerPath
-from pdmesh_engine.model.layers import DenseMLP, MLAttention, RMSNorm, RotaryEmbedding
+from pdmesh_engine.model.deepseek_v3.attention import AttentionMetadata, DecodeGather
+from pdmesh_engine.model.deepseek_v3.cpu_path import CpuLayerPath
+from pdmesh_engine.model.deepseek_v3.layers import DenseMLP, MLAttention, RMSNorm, RotaryEmbedding
 from pdmesh_engine.model.moe import (
     ExpertDispatcher,
     ExpertLoadRecorder,
