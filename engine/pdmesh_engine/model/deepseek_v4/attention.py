@@ -179,15 +179,7 @@ class Attention(nn.Module):
                 x, step, entries, pools["index_rows"], pools["index"], self.rope
             )
         out = torch.empty_like(q)
-        width = self.window + (
-            0
-            if entries is None
-            else min(
-                entries.slots.shape[1],
-                self.indexer.top_k if self.indexer else entries.slots.shape[1],
-            )
-        )
-        per_slice = max(1, KEY_ELEMENTS_PER_SLICE // (width * self.dim))
+        per_slice = max(1, KEY_ELEMENTS_PER_SLICE // (self._keys_per_query(entries) * self.dim))
         for start in range(0, num_tokens, per_slice):
             rows = slice(start, min(start + per_slice, num_tokens))
             keys, valid = self._keys(x, q_lora, step, entries, pools, window, rows)
@@ -197,6 +189,13 @@ class Attention(nn.Module):
         w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])  # [G, R, H*C/G]
         mid = torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(num_tokens, -1)
         return self.wo_b(mid)
+
+    def _keys_per_query(self, entries: Entries | None) -> int:
+        """Keys a query gathers: the window, and the compressed entries (CSA: at most top-k)."""
+        if entries is None:
+            return self.window
+        count = entries.slots.shape[1]
+        return self.window + (min(count, self.indexer.top_k) if self.indexer else count)
 
     def _keys(
         self,
