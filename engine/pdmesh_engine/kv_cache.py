@@ -33,6 +33,9 @@ class KVCacheStats:
     num_used: int
     prefix_queries: int
     prefix_hits: int  # tokens served from the prefix cache
+    # a windowed family's second pool (pdmesh_engine.kv_window): its blocks, then (free, cached,
+    # in use) as the counts above; None with one pool
+    window_blocks: tuple[int, int, int, int] | None = None
 
 
 MAX_PENDING_EVENTS = 1 << 16  # hashes changed since the last drain; beyond this the batch is lost

@@ -18,6 +18,8 @@ full chain): a hit of k full blocks also needs the window blocks covering positi
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pdmesh_engine.block_hash import BlockHash
 from pdmesh_engine.kv_cache import BlockPool, KVCacheEvents, KVCacheManager, KVCacheStats
 
@@ -156,7 +158,10 @@ class WindowedKVManager:
             raise AssertionError("the window and full pools hold different requests")
 
     def stats(self) -> KVCacheStats:
-        return self.full.stats()
+        """The full pool's counts, with the window pool's beside them."""
+        return replace(
+            self.full.stats(), window_blocks=(self.window.num_blocks, *self.window_counts())
+        )
 
     def window_counts(self) -> tuple[int, int, int]:
         """The window pool's (free, cached, in use), NULL_BLOCK counted in use."""

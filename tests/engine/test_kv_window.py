@@ -35,6 +35,8 @@ def test_window_blocks_behind_the_span_are_released_into_the_cache() -> None:
     kv.free("a")
     kv.check_integrity()
     assert kv.window_counts()[2] == 1  # only NULL
+    stats = kv.stats()
+    assert stats.window_blocks == (8, *kv.window_counts()) and stats.num_used == 0
 
 
 def test_a_hit_needs_the_window_blocks_before_its_boundary() -> None:
