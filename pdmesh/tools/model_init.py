@@ -17,7 +17,6 @@ popularity follows a Zipf law of exponent s with a seeded ranking per layer (see
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
@@ -25,12 +24,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
-from safetensors.torch import save_file
 
 from pdmesh.tools.presets import (
     PRESETS,
@@ -38,37 +33,19 @@ from pdmesh.tools.presets import (
     preset_config,
 )
 from pdmesh.tools.tokenizer_train import BOS_ID, EOS_ID, tokenizer_config, train_tokenizer
+from pdmesh.tools.weight_files import (
+    BIAS_STD,
+    DEFAULT_MAX_SHARD_BYTES,
+    LOGIT_STD,
+    ROUTER_LOGIT_STD,
+    TensorSpec,
+    write_json,
+    write_weights,
+)
 from pdmesh_engine.checkpoint import DTYPES
 from pdmesh_engine.config import ModelConfig
 
 INIT_FORMAT_VERSION = 1
-DEFAULT_MAX_SHARD_BYTES = 500_000_000
-# Initialisation (see weight_specs): linear layers N(0, 1/fan_in), embeddings N(0, 1); the scales
-# below keep logits and router scores well spread (no near-ties).
-LOGIT_STD = 2.0  # std of a logit for a unit-RMS final hidden state
-ROUTER_LOGIT_STD = 1.0  # std of a router logit before the sigmoid
-BIAS_STD = 0.05  # e_score_correction_bias ~ N(0, BIAS_STD)
-NORM_JITTER = 0.1  # norm weights ~ 1 + N(0, NORM_JITTER), so a skipped norm weight shows
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One checkpoint tensor: how to create it, and whether it counts as main, expert or MTP
-    weight."""
-
-    name: str
-    shape: tuple[int, ...]
-    init: str  # "normal" (std), "norm" (1 + jitter), "bias", or "copy" (of `source`)
-    std: float = 0.0
-    source: str = ""
-    expert: bool = False  # a routed expert's weight
-    mtp: bool = False  # part of the multi-token-prediction layer
-    fp32: bool = False  # kept float32 whatever the dtype (router, as save_pretrained keeps it)
-    num_experts: int = 0  # init "hash": a token -> distinct experts table of this many experts
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
 
 def _linear(name: str, out_f: int, in_f: int, **kw: Any) -> TensorSpec:
@@ -190,78 +167,6 @@ def count_parameters(config: ModelConfig) -> tuple[int, int]:
 def count_mtp_parameters(config: ModelConfig) -> int:
     """Parameters of the multi-token-prediction layers (copies of embedding and head included)."""
     return sum(s.numel for s in weight_specs(config) if s.mtp)
-
-
-def make_tensor(
-    spec: TensorSpec, gen: torch.Generator, done: dict[str, torch.Tensor]
-) -> torch.Tensor:
-    if spec.init == "copy":
-        return done[spec.source].clone()
-    if spec.init == "norm":
-        return 1.0 + NORM_JITTER * torch.randn(spec.shape, generator=gen)
-    if spec.init == "hash":  # int64 [V, K]: K distinct experts per token
-        rows, k = spec.shape
-        return torch.rand(rows, spec.num_experts, generator=gen).argsort(dim=-1)[:, :k].contiguous()
-    return spec.std * torch.randn(spec.shape, generator=gen)
-
-
-def _plan_shards(
-    specs: list[TensorSpec], dtype: torch.dtype, max_shard_bytes: int
-) -> list[list[TensorSpec]]:
-    shards: list[list[TensorSpec]] = [[]]
-    size = 0
-    for s in specs:
-        nbytes = s.numel * (4 if s.fp32 else torch.finfo(dtype).bits // 8)
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(s)
-        size += nbytes
-    return shards
-
-
-def write_weights(
-    out: Path,
-    specs: list[TensorSpec],
-    seed: int,
-    dtype: str,
-    max_shard_bytes: int,
-    log: Callable[[str], None],
-) -> int:
-    """Generate and save the weights of `specs`; returns the number of bytes written."""
-    torch_dtype = DTYPES[dtype]
-    shards = _plan_shards(specs, torch_dtype, max_shard_bytes)
-    gen = torch.Generator().manual_seed(seed)
-    kept: dict[str, torch.Tensor] = {}  # sources of "copy" tensors
-    sources = {s.source for s in specs if s.init == "copy"}
-    weight_map: dict[str, str] = {}
-    total_bytes = 0
-    for k, shard in enumerate(shards):
-        fname = (
-            "model.safetensors"
-            if len(shards) == 1
-            else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        )
-        if len(shards) > 1:
-            log(f"generating weights: shard {k + 1}/{len(shards)}")
-        tensors: dict[str, torch.Tensor] = {}
-        for s in shard:
-            t = make_tensor(s, gen, kept)
-            if s.name in sources:
-                kept[s.name] = t
-            tensors[s.name] = t if s.fp32 or not t.is_floating_point() else t.to(torch_dtype)
-            weight_map[s.name] = fname
-            total_bytes += tensors[s.name].numel() * tensors[s.name].element_size()
-        save_file(tensors, str(out / fname), metadata={"format": "pt"})
-        del tensors
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return total_bytes
-
-
-def write_json(path: Path, data: Any) -> None:
-    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _write_model(

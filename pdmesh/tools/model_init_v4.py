@@ -31,7 +31,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from pdmesh.tools.model_init import (
+from pdmesh.tools.tokenizer_train import BOS_ID, EOS_ID, tokenizer_config, train_tokenizer
+from pdmesh.tools.weight_files import (
     BIAS_STD,
     LOGIT_STD,
     ROUTER_LOGIT_STD,
@@ -40,7 +41,6 @@ from pdmesh.tools.model_init import (
     write_json,
     write_weights,
 )
-from pdmesh.tools.tokenizer_train import BOS_ID, EOS_ID, tokenizer_config, train_tokenizer
 from pdmesh_engine.model.deepseek_v4.config import CSA, HASH_MOE, HCA, SLIDING, TOPK_MOE, V4Config
 from pdmesh_engine.model.deepseek_v4.quant import fp8_block_quantize, mxfp4_quantize
 
