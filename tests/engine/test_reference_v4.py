@@ -285,3 +285,48 @@ def test_bf16_is_as_close_to_the_fp32_reference_as_transformers_bf16(
     assert ours_err <= 2.0 * theirs_err, (ours_err, theirs_err)
     agree = (ours.argmax(-1) == expected.argmax(-1)).float().mean().item()
     assert agree >= 0.8, agree
+
+
+@pytest.mark.parametrize("cut", [17, 32, 45])
+def test_a_handoff_planned_from_the_kv_spec_continues_exactly(
+    pair: tuple[V4Reference, DeepseekV4ForCausalLM], cut: int
+) -> None:
+    """Prefill `cut` tokens into one cache, copy what `V4Cache.transfer_groups` says (every full
+    block, the window blocks the next step reads) into another cache with other block ids, as
+    the bytes of one planned WRITE, and decode on there: the logits are the reference's."""
+    import ctypes
+
+    from pdmesh_engine.model.deepseek_v4.kv import handoff_window_blocks
+    from pdmesh_engine.transfer.layout import plan_write_groups
+
+    ref, engine = pair
+    ids = _prompt(9, 60)
+    size, span = default_block_size(engine.config), engine.config.window_span
+    blocks = -(-len(ids) // size)
+    sender = V4Cache(engine.config, 2 + blocks, size, torch.float32, CPU, 2 + blocks)
+    receiver = V4Cache(engine.config, 9 + blocks, size, torch.float32, CPU, 9 + blocks)
+    mine = (list(range(1, 1 + blocks)), list(range(1 + blocks, 1, -1))[:blocks])
+    # the receiver: other full ids; window blocks from the hand-off's first window block on (the
+    # ones it receives, then the ones it allocates as it goes on), NULL (0) below
+    first = handoff_window_blocks(cut, span, size).start
+    fresh = iter(range(2, 9 + blocks))
+    theirs = (
+        list(range(8 + blocks, 8, -1)),
+        [0 if i < first else next(fresh) for i in range(blocks)],
+    )
+
+    def step(cache: V4Cache, tables: tuple[list[int], list[int]], chunk: list[int], start: int):
+        batch = ForwardBatch.build(
+            [chunk], [start], [tables[0]], size, [True], CPU, window_block_ids=[tables[1]]
+        )
+        with torch.no_grad():
+            return engine.compute_logits(engine(batch, cache))
+
+    before = step(sender, mine, ids[:cut], 0)
+    plan = plan_write_groups(sender.transfer_groups(receiver, mine, theirs, cut, span))
+    for (src, n, _), (dst, m, _) in zip(plan.local, plan.remote, strict=True):
+        assert n == m
+        ctypes.memmove(dst, src, n)
+    after = [step(receiver, theirs, [t], p) for p, t in enumerate(ids[cut:], start=cut)]
+    expected = _reference_logits(ref, ids)
+    torch.testing.assert_close(torch.cat([before, *after]), expected, atol=FP32_ATOL, rtol=0)

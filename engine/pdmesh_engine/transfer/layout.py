@@ -4,7 +4,9 @@ no protobuf).
 Chain: prefill block ids + decode block ids → `coalesce` → runs → `regions` on each side → the two
 equal-length descriptor lists of ONE NIXL WRITE (see `pdmesh_engine.transfer.agent`). With
 speculative decoding a rank has a second pool (the proposer's KV, same block ids, its own layers and
-entry width); `plan_write_pools` puts both pools' regions in the one WRITE.
+entry width); `plan_write_pools` puts both pools' regions in the one WRITE. A family with several
+KV groups (DeepSeek-V4: a full pool and a window pool, each with its own block ids) gives one
+`GroupWrite` per group, and `plan_write_groups` puts them all in the one WRITE.
 
 Legend: L layers, N blocks per layer, B tokens per block, D entry elements per token.
 A pool is the contiguous tensor `[L, N, B, D]` of `pdmesh_engine.kv_cache`; block b of layer l
@@ -188,4 +190,29 @@ def plan_write_pools(
         nbytes=sum(pool_nbytes),
         num_blocks=len(local_ids),
         pool_nbytes=tuple(pool_nbytes),
+    )
+
+
+@dataclass(frozen=True)
+class GroupWrite:
+    """One KV group of a hand-off: pools addressed by the same block ids, and the ids to copy."""
+
+    pools: Sequence[tuple[PoolLayout, PoolLayout]]
+    local_ids: Sequence[int]
+    remote_ids: Sequence[int]
+
+
+def plan_write_groups(groups: Sequence[GroupWrite]) -> WritePlan:
+    """`plan_write_pools` per group, every group's regions in one plan (groups with no block to
+    copy are skipped); `num_blocks` counts the blocks of every group. ValueError if nothing is
+    left to write or a group is bad."""
+    plans = [plan_write_pools(g.pools, g.local_ids, g.remote_ids) for g in groups if g.local_ids]
+    if not plans:
+        raise ValueError("nothing to write: no blocks in any group")
+    return WritePlan(
+        local=[r for plan in plans for r in plan.local],
+        remote=[r for plan in plans for r in plan.remote],
+        nbytes=sum(plan.nbytes for plan in plans),
+        num_blocks=sum(plan.num_blocks for plan in plans),
+        pool_nbytes=tuple(n for plan in plans for n in plan.pool_nbytes),
     )

@@ -131,3 +131,24 @@ def test_layout_module_is_pure():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_groups_with_their_own_ids_go_in_one_plan():
+    from pdmesh_engine.transfer.layout import GroupWrite, plan_write_groups
+
+    full = (_layout(0), _layout(10**6))
+    window = (
+        _layout(2 * 10**6, num_blocks=8, block_bytes=64),
+        _layout(3 * 10**6, num_blocks=8, block_bytes=64),
+    )
+    groups = [GroupWrite([full], [1, 2, 3], [7, 8, 9]), GroupWrite([window], [5], [2])]
+    plan = plan_write_groups(groups)
+    alone = [plan_write(*g.pools[0][:1], g.local_ids, g.pools[0][1], g.remote_ids) for g in groups]
+    assert plan.local == alone[0].local + alone[1].local
+    assert plan.remote == alone[0].remote + alone[1].remote
+    assert plan.nbytes == 3 * 3 * 256 + 1 * 3 * 64 and plan.num_blocks == 4
+    assert plan_write_groups([groups[0], GroupWrite([window], [], [])]).local == alone[0].local
+    with pytest.raises(ValueError, match="no blocks in any group"):
+        plan_write_groups([GroupWrite([window], [], [])])
+    with pytest.raises(ValueError, match="outside"):
+        plan_write_groups([GroupWrite([window], [9], [1])])
