@@ -81,6 +81,17 @@ def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return raw[offset : offset + numel]
 
 
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed contiguous tensor, on CPU in huge pages where Linux gives them (a KV pool: decode
+    reads blocks all over it). Advised before the first touch, so no page is copied, then once
+    more for pages the allocator had touched before (heap it reused)."""
+    memory = torch.empty(shape, dtype=dtype, device=device)
+    advise(memory, collapse=False)
+    memory.zero_()
+    advise(memory, collapse=True)
+    return memory
+
+
 def advise_all(tensors: Iterable[torch.Tensor]) -> int:
     """`advise(collapse=True)` for each distinct storage; returns the bytes advised."""
     seen: set[int] = set()

@@ -31,15 +31,8 @@ def allocate_kv_memory(
     device: torch.device,
 ) -> torch.Tensor:
     """The KV pool's memory: [num_layers, num_blocks, block_size, entry_dim], zeroed, contiguous
-    (on CPU in huge pages where Linux gives them: decode reads blocks all over the pool)."""
-    memory = torch.empty(
-        (num_layers, num_blocks, block_size, entry_dim), dtype=dtype, device=device
-    )
-    huge_pages.advise(memory, collapse=False)  # before the first touch: no copy
-    memory.zero_()
-    # pages the allocator had touched before (heap it reused) are copied into huge pages now
-    huge_pages.advise(memory, collapse=True)
-    return memory
+    (`huge_pages.zeros`)."""
+    return huge_pages.zeros((num_layers, num_blocks, block_size, entry_dim), dtype, device)
 
 
 @dataclass(frozen=True)

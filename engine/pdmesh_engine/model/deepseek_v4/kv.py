@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdmesh_engine import huge_pages
 from pdmesh_engine.forward_batch import ForwardBatch
 from pdmesh_engine.model.deepseek_v4.config import CSA, HCA, V4Config
 from pdmesh_engine.transfer.layout import GroupWrite, PoolLayout
@@ -114,7 +115,7 @@ class V4Cache:
         hd, ihd = config.head_dim, config.index_head_dim
 
         def zeros(layers: int, blocks: int, per_block: int, width: int) -> torch.Tensor:
-            return torch.zeros(layers, blocks, per_block, width, dtype=dtype, device=device)
+            return huge_pages.zeros((layers, blocks, per_block, width), dtype, device)
 
         n_csa, n_hca = len(config.layers_of(CSA)), len(config.layers_of(HCA))
         r_csa, r_hca = config.rate(CSA), config.rate(HCA)

@@ -126,7 +126,6 @@ def allocate_kv(config: V4Config, layout: V4KVLayout, device: torch.device) -> V
         layout.num_window_blocks,
         layout.bytes_per_window_block,
     )
-    huge_pages.advise_all(cache.tensors())
     return cache
 
 
