@@ -73,10 +73,12 @@ def advise(tensor: torch.Tensor, collapse: bool) -> int:
 def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A flat CPU tensor of `numel` elements starting on a huge page boundary, its memory advised
     before the first touch: a table that the decode reads whole every step lies in whole huge
-    pages, none lost to a misaligned start (2 MiB of slack allocated for it)."""
+    pages, none lost to a misaligned start (2 MiB of slack allocated for it). The allocator may
+    hand back heap it had touched before (glibc raises its mmap threshold after a free), whose
+    pages the advice alone would leave small: those are collapsed now."""
     size = torch.empty((), dtype=dtype).element_size()
     raw = torch.empty(numel + HUGE_PAGE // size, dtype=dtype)
-    advise(raw, collapse=False)
+    advise(raw, collapse=True)
     offset = (-raw.data_ptr() % HUGE_PAGE) // size
     return raw[offset : offset + numel]
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 import torch
-from memory_maps import huge_bytes_in, huge_pages_available
+from memory_maps import expect_huge, huge_pages_available
 from small_models import small_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -220,7 +220,7 @@ def test_expert_tables_lie_in_huge_pages_and_every_copy_is_listed() -> None:
         assert w13.data_ptr() % (2 << 20) == 0  # the layer's table starts on a huge page
         assert w2.data_ptr() == w13.data_ptr() + w13.nbytes  # and its w2 slots follow
         end = w2.data_ptr() + w2.nbytes
-        assert huge_bytes_in(w13.data_ptr(), end) >= end - w13.data_ptr() - (2 << 20)
+        expect_huge(w13.data_ptr(), end, at_least=end - w13.data_ptr() - (2 << 20))
         assert w13.untyped_storage().data_ptr() in listed
     for packed in path._packed.values():
         assert packed.data.untyped_storage().data_ptr() in listed
