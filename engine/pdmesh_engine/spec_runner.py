@@ -23,19 +23,32 @@ Legend: T tokens of the step, R logit rows, V vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from pdmesh_engine.config import EngineConfig
 from pdmesh_engine.forward_batch import ForwardBatch
+from pdmesh_engine.model.deepseek_v3.model import DeepseekV3ForCausalLM
+from pdmesh_engine.model.moe import ExpertLoadRecorder
 from pdmesh_engine.request import Request
-from pdmesh_engine.sampler import banned_argmax, filtered_probs, with_logprobs
+from pdmesh_engine.sampler import Sampler, banned_argmax, filtered_probs, with_logprobs
 from pdmesh_engine.scheduler import SampledToken, ScheduledRequest, SchedulerOutput, SpecTokens
 from pdmesh_engine.spec_decode import greedy_accept, rejection_sample
 from pdmesh_engine.spec_proposer import Proposer, ProposeSeq
 
-if TYPE_CHECKING:
-    from pdmesh_engine.model_runner import ModelRunner
+
+class TargetRunner(Protocol):
+    """What verification reads of the runner that owns the target model (`ModelRunner`)."""
+
+    config: EngineConfig
+    device: torch.device
+    model: DeepseekV3ForCausalLM
+    kv_caches: torch.Tensor  # the paged pool (speculation runs on V3 today)
+    expert_load: ExpertLoadRecorder | None
+    sampler: Sampler
+
+    def generator_for(self, request: Request) -> torch.Generator | None: ...
 
 
 @dataclass(slots=True)
@@ -67,7 +80,7 @@ class _Verdict:
 
 
 class SpecDecoder:
-    def __init__(self, runner: ModelRunner, proposer: Proposer, k: int) -> None:
+    def __init__(self, runner: TargetRunner, proposer: Proposer, k: int) -> None:
         self.runner, self.proposer, self.k = runner, proposer, k
         # non-greedy requests' draft distributions [n, V] for the drafts they will verify next
         self.draft_probs: dict[str, torch.Tensor] = {}

@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from pdmesh_engine.config import ModelConfig
 from pdmesh_engine.forward_batch import ForwardBatch
 from pdmesh_engine.model import experts
+from pdmesh_engine.model.deepseek_v3 import cpu_path
 from pdmesh_engine.model.deepseek_v3.attention import DecodeGather, mla_decode_cpu
 from pdmesh_engine.model.deepseek_v3.model import DeepseekV3ForCausalLM
 from pdmesh_engine.model.experts import (
@@ -249,7 +250,7 @@ def test_cpu_layouts_keep_weights_and_logits() -> None:
     )
     caches = torch.zeros(config.num_hidden_layers, 4, 4, config.kv_cache_dim)
     expected = model.compute_logits(model(batch, caches))
-    model.use_cpu_layouts()
+    cpu_path.use_cpu_layouts(model)
     for name, param in model.named_parameters():
         assert torch.equal(param, before[name]), name
     assert has_row_tables(model.moe_layers[0].w13, model.moe_layers[0].w2)

@@ -205,7 +205,7 @@ def _random_model(
     model.rope.materialize(config)
     for layer in list(model.layers) + [m.block for m in model.mtp]:
         layer.self_attn.process_weights()
-    model.use_cpu_layouts()
+    cpu_path.use_cpu_layouts(model)
     return model.eval()
 
 

@@ -20,7 +20,7 @@ the products per query and cached row. The choice follows the run's own length, 
 neighbours.
 
 The layer tables (`pdmesh_kernels.cpu_layers.Layer`) point at the model's own parameters, stored
-for this path at load time (`DeepseekV3ForCausalLM.use_cpu_layouts`): linear weights as [in, out],
+for this path at load time (`use_cpu_layouts`): linear weights as [in, out],
 the experts as row tables. The C products read copies of them in the layouts they read fastest
 (`cpu_layers.pack`), made here once: the experts' slots and the linear weights packed into panels
 in both builds, the routers too in the fp32 build (the bf16 build reads its fp32 routers in
@@ -37,7 +37,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 from torch import nn
@@ -45,12 +45,10 @@ from torch import nn
 from pdmesh_engine import huge_pages
 from pdmesh_engine.forward_batch import ForwardBatch
 from pdmesh_engine.model.deepseek_v3.layers import DenseMLP, RMSNorm
+from pdmesh_engine.model.deepseek_v3.model import DecoderLayer, DeepseekV3ForCausalLM, MTPLayer
 from pdmesh_engine.model.moe import ExpertLoadRecorder, ExpertPlacement, LocalDispatcher, MoE
 from pdmesh_kernels import cpu_layers
 from pdmesh_kernels.cpu_layers import Dims, Layer, Packed, f32, i64, weights
-
-if TYPE_CHECKING:
-    from pdmesh_engine.model.deepseek_v3.model import DecoderLayer, DeepseekV3ForCausalLM, MTPLayer
 
 log = logging.getLogger(__name__)
 
@@ -375,3 +373,24 @@ def _set_placement(table: Layer, moe: MoE) -> None:
     table.replicas = i64(_contiguous(placement.replicas, "placement.replicas"))
     table.replica_counts = i64(_contiguous(placement.replica_counts, "placement.replica_counts"))
     table.replicas_width = placement.replicas.shape[1]
+
+
+@torch.no_grad()
+def use_cpu_layouts(model: DeepseekV3ForCausalLM) -> CpuLayerPath | None:
+    """Re-store a loaded model's weights in the memory layouts the CPU runs fastest (values and
+    shapes unchanged) and install this path as `model.cpu_layers` where it applies (returned,
+    or None): the routed
+    experts as row tables (`MoE.use_row_tables`), every linear weight and the routers transposed
+    in memory ([in, out], the C path's layout; `F.linear` then runs a plain GEMM). Measured with
+    one thread at batch 1 on the torch path (cold weights): the lm head 8192x512 1.86 -> 0.74 ms,
+    512x192 55 -> 38 us, 192x512 52 vs 46 us in the plain layout; batches that small take the C
+    path."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.use_row_tables()
+            module.gate.weight.data = module.gate.weight.data.t().contiguous().t()
+        elif isinstance(module, nn.Linear):
+            module.weight.data = module.weight.data.t().contiguous().t()
+    path = CpuLayerPath.build(model)
+    model.cpu_layers = path
+    return path

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -20,7 +21,6 @@ from torch import nn
 from pdmesh_engine.config import CheckpointError, ModelConfig
 from pdmesh_engine.forward_batch import ForwardBatch
 from pdmesh_engine.model.deepseek_v3.attention import AttentionMetadata, DecodeGather
-from pdmesh_engine.model.deepseek_v3.cpu_path import CpuLayerPath
 from pdmesh_engine.model.deepseek_v3.layers import DenseMLP, MLAttention, RMSNorm, RotaryEmbedding
 from pdmesh_engine.model.moe import (
     ExpertDispatcher,
@@ -32,6 +32,30 @@ from pdmesh_engine.model.moe import (
 from pdmesh_kernels import uses_triton
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class LayerPath(Protocol):
+    """A faster path through the decoder layers and heads where it applies: the CPU one
+    (`cpu_path.CpuLayerPath`, installed by `cpu_path.use_cpu_layouts`)."""
+
+    def takes(self, batch: ForwardBatch, kv_caches: torch.Tensor) -> bool: ...
+
+    def run(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        kv_caches: torch.Tensor,
+        expert_load: ExpertLoadRecorder | None = None,
+        mtp: bool = False,
+    ) -> torch.Tensor: ...
+
+    def linear(
+        self, x: torch.Tensor, linear: nn.Linear, norm: RMSNorm | None = None
+    ) -> torch.Tensor | None: ...
+
+    def mtp_input(
+        self, embeds: torch.Tensor, prev_hidden: torch.Tensor, mtp: MTPLayer
+    ) -> torch.Tensor: ...
 
 
 def _as_fp32(x: torch.Tensor) -> torch.Tensor:
@@ -160,7 +184,7 @@ class DeepseekV3ForCausalLM(nn.Module):
                 MTPLayer(config, placement, dispatcher, slots)
                 for _ in range(config.num_nextn_predict_layers)
             )
-        self.cpu_layers: CpuLayerPath | None = None  # set by use_cpu_layouts where it applies
+        self.cpu_layers: LayerPath | None = None  # set by cpu_path.use_cpu_layouts
 
     @staticmethod
     def _make_layer(
@@ -290,23 +314,6 @@ class DeepseekV3ForCausalLM(nn.Module):
         for mtp in self.mtp:  # DeepSeek's MTP head is a copy of the output head: hold (read) one
             if torch.equal(mtp.shared_head.weight, self.lm_head.weight):
                 mtp.shared_head.weight = self.lm_head.weight
-
-    @torch.no_grad()
-    def use_cpu_layouts(self) -> None:
-        """Re-store loaded weights in the memory layouts the CPU runs fastest (values and shapes
-        unchanged) and set up the small-batch C path (`cpu_path.CpuLayerPath`) where it applies:
-        the routed experts as row tables (`MoE.use_row_tables`), every linear weight and the
-        routers transposed in memory ([in, out], the C path's layout; `F.linear` then runs a
-        plain GEMM). Measured with one thread at batch 1 on the torch path (cold weights): the lm
-        head 8192x512 1.86 -> 0.74 ms, 512x192 55 -> 38 us, 192x512 52 vs 46 us in the plain
-        layout; batches that small take the C path."""
-        for module in self.modules():
-            if isinstance(module, MoE):
-                module.use_row_tables()
-                module.gate.weight.data = module.gate.weight.data.t().contiguous().t()
-            elif isinstance(module, nn.Linear):
-                module.weight.data = module.weight.data.t().contiguous().t()
-        self.cpu_layers = CpuLayerPath.build(self)
 
     def _target_name(self, name: str, num_layers: int) -> str | None:
         """Checkpoint name -> parameter name here (None: a tensor this model does not use)."""

@@ -18,6 +18,7 @@ from pdmesh_engine import huge_pages
 from pdmesh_engine.checkpoint import iter_tensors
 from pdmesh_engine.config import EngineConfig, ModelConfig
 from pdmesh_engine.kv_cache import KVCacheManager
+from pdmesh_engine.model.deepseek_v3.cpu_path import use_cpu_layouts
 from pdmesh_engine.model.deepseek_v3.model import DeepseekV3ForCausalLM
 from pdmesh_kernels import uses_triton
 
@@ -92,8 +93,8 @@ def load_model(
     model.rope.materialize(model_config)  # computed buffers, not checkpoint tensors
     model.load_weights(iter_tensors(model_dir))
     if device.type == "cpu" and not uses_triton(device):  # else the CUDA path (`force_triton`)
-        model.use_cpu_layouts()
-        copies = model.cpu_layers.tensors() if model.cpu_layers is not None else ()
+        path = use_cpu_layouts(model)
+        copies = path.tensors() if path is not None else ()
         huge_pages.advise_all(itertools.chain(model.parameters(), model.buffers(), copies))
     model.eval()
     return model
