@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdmesh.supervisor import REDIS, GrpcHealthProbe, RedisUnit, ServiceUnit, Supervisor, Unit
-from pdmesh_engine.config import check_mesh_model
+from pdmesh_engine.model.configs import check_mesh_model
 from pdmesh_service.process import die_with_parent
 from pdmesh_service.redis_server import EmbeddedRedis, PortPicker, free_port, free_port_block
 from pdmesh_service.supervision import RestartPolicy, RestartRecord, record_restarts_sync
@@ -77,7 +77,7 @@ class MeshOptions:
     worker_nice: int = DEFAULT_WORKER_NICE
 
     def __post_init__(self) -> None:
-        check_mesh_model(self.model_dir)
+        check_mesh_model(self.model_dir, max(self.prefill_dep, self.decode_dep))
         if not 0 <= self.worker_nice <= 19:
             raise ValueError(f"--worker-nice must be in [0, 19], got {self.worker_nice}")
         if self.mode not in ("disagg", "agg"):

@@ -34,22 +34,6 @@ def read_json(path: Path) -> Any:
         raise CheckpointError(f"{path}: cannot read ({e})") from e
 
 
-def check_mesh_model(model_dir: str | Path) -> None:
-    """CheckpointError unless the mesh serves the checkpoint's architecture (read from
-    config.json; a directory without one is left to the loader's own errors)."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        return
-    raw = read_json(path)
-    archs = raw.get("architectures") or []
-    if "DeepseekV4ForCausalLM" in archs or raw.get("model_type") == "deepseek_v4":
-        raise CheckpointError(
-            f"{model_dir}: DeepSeek-V4 checkpoints run offline in this release (`pdmesh "
-            "generate`, the LLM API, `pdmesh bench forward` / `bench engine`); serving them "
-            "through the mesh (P/D over NIXL, DEP, EPLB) is not available yet"
-        )
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     """The DeepSeek-V3 architecture's hyper-parameters, as `config.json` names them."""

@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 
     from pdmesh_engine.model.deepseek_v3.runtime import KVLayout
     from pdmesh_engine.model.moe import ExpertLoadRecorder
+    from pdmesh_engine.transfer.layout import KVMemory
 
 
 @dataclass(frozen=True)
@@ -179,10 +180,13 @@ class EngineCore:
 
     def reserve(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
-    ) -> list[int] | None:
-        """Hold blocks for a prompt whose KV another instance computes; None if the pool is
-        short."""
-        return self.scheduler.reserve(self._make_request(prompt_token_ids, params, request_id))
+    ) -> dict[str, list[int]] | None:
+        """Hold blocks for a prompt whose KV another instance computes: its block tables by KV
+        group (`kv_tables`); None if the pool is short."""
+        request = self._make_request(prompt_token_ids, params, request_id)
+        if self.scheduler.reserve(request) is None:
+            return None
+        return self.kv_tables(request_id)
 
     def kv_arrived(self, request_id: str, first_token_id: int | None = None) -> StepOutput | None:
         """The reserved blocks hold the prompt's KV: decode from the first token on (see
@@ -344,6 +348,16 @@ class EngineCore:
         """The KV pool, [num_layers, num_blocks, block_size, entry_dim] (what a NIXL agent
         registers)."""
         return self.runner.kv_caches
+
+    def kv_memory(self) -> list[KVMemory]:
+        """The KV groups a prompt's hand-off moves (what a NIXL agent registers): V3 `kv` (and
+        `draft`, the proposer's pool, with speculative decoding), V4 `full` and `window`."""
+        return self.runner.family.kv_memory(self.runner.kv_caches, self.draft_kv_caches)
+
+    def kv_tables(self, request_id: str) -> dict[str, list[int]]:
+        """A request's block tables by KV group (`kv_memory`), by logical block index."""
+        tables = self.kv.tables(request_id)
+        return {m.name: tables[m.table or m.name] for m in self.kv_memory()}
 
     @property
     def draft_kv_caches(self) -> torch.Tensor | None:

@@ -277,6 +277,14 @@ class KVCacheManager:
     def blocks_of(self, request_id: str) -> list[int]:
         return self.req_blocks.get(request_id, [])
 
+    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Blocks for a prompt whose KV another rank computes (None and no change if short)."""
+        return self.allocate(request_id, num_tokens)
+
+    def tables(self, request_id: str) -> dict[str, list[int]]:
+        """The request's block tables by name (by logical block index): one, `kv`."""
+        return {"kv": self.blocks_of(request_id)}
+
     def cached_hashes(self) -> list[BlockHash]:
         """Every hash the pool holds now: a snapshot for the prefix index."""
         return self.pool.cached_hashes()

@@ -144,6 +144,19 @@ class WindowedKVManager:
         """The full pool's hashes (the prefix index follows the full chain)."""
         return self.full.cached_hashes()
 
+    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Blocks for a prompt whose KV another rank computes: every full block, and the window
+        blocks the next step reads (it may compute the last prompt token again)."""
+        self.next_start[request_id] = max(0, num_tokens - 1)
+        blocks = self.allocate(request_id, num_tokens)
+        if blocks is None:
+            del self.next_start[request_id]
+        return blocks
+
+    def tables(self, request_id: str) -> dict[str, list[int]]:
+        """The request's block tables by name (by logical block index): `full` and `window`."""
+        return {"full": self.blocks_of(request_id), "window": self.window_table(request_id)}
+
     def window_table(self, request_id: str) -> list[int]:
         """The request's window block per logical index (`NULL_BLOCK` behind the window)."""
         return self.tables.get(request_id, [])

@@ -118,7 +118,7 @@ class Scheduler:
     def reserve(self, request: Request) -> list[int] | None:
         """Reserve blocks for a prompt whose KV is computed elsewhere; None if the pool is short."""
         self._check_admissible(request)
-        blocks = self.kv.allocate(request.request_id, request.num_prompt_tokens)
+        blocks = self.kv.reserve(request.request_id, request.num_prompt_tokens)
         if blocks is None:
             return None
         request.status = RequestStatus.WAITING_FOR_KV

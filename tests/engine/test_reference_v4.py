@@ -291,24 +291,25 @@ def test_bf16_is_as_close_to_the_fp32_reference_as_transformers_bf16(
 def test_a_handoff_planned_from_the_kv_spec_continues_exactly(
     pair: tuple[V4Reference, DeepseekV4ForCausalLM], cut: int
 ) -> None:
-    """Prefill `cut` tokens into one cache, copy what `V4Cache.transfer_groups` says (every full
-    block, the window blocks the next step reads) into another cache with other block ids, as
-    the bytes of one planned WRITE, and decode on there: the logits are the reference's."""
+    """Prefill `cut` tokens into one cache, copy what the hand-off plan of its KV groups says
+    (`V4Cache.memory`, `plan_handoff`: every full block, the window blocks the next step reads)
+    into another cache with other block ids, as the bytes of one planned WRITE, and decode on
+    there: the logits are the reference's."""
     import ctypes
 
-    from pdmesh_engine.model.deepseek_v4.kv import handoff_window_blocks
-    from pdmesh_engine.transfer.layout import plan_write_groups
+    from pdmesh_engine.transfer.layout import plan_handoff
 
     ref, engine = pair
     ids = _prompt(9, 60)
-    size, span = default_block_size(engine.config), engine.config.window_span
+    size = default_block_size(engine.config)
     blocks = -(-len(ids) // size)
     sender = V4Cache(engine.config, 2 + blocks, size, torch.float32, CPU, 2 + blocks)
     receiver = V4Cache(engine.config, 9 + blocks, size, torch.float32, CPU, 9 + blocks)
     mine = (list(range(1, 1 + blocks)), list(range(1 + blocks, 1, -1))[:blocks])
     # the receiver: other full ids; window blocks from the hand-off's first window block on (the
     # ones it receives, then the ones it allocates as it goes on), NULL (0) below
-    first = handoff_window_blocks(cut, span, size).start
+    groups = [m.group() for m in sender.memory()]
+    first = groups[1].handoff_indices(cut).start
     fresh = iter(range(2, 9 + blocks))
     theirs = (
         list(range(8 + blocks, 8, -1)),
@@ -323,7 +324,14 @@ def test_a_handoff_planned_from_the_kv_spec_continues_exactly(
             return engine.compute_logits(engine(batch, cache))
 
     before = step(sender, mine, ids[:cut], 0)
-    plan = plan_write_groups(sender.transfer_groups(receiver, mine, theirs, cut, span))
+    plan = plan_handoff(
+        groups,
+        {"full": mine[0], "window": mine[1]},
+        [m.group() for m in receiver.memory()],
+        {"full": theirs[0], "window": theirs[1]},
+        cut,
+    )
+    assert sum(plan.group_nbytes.values()) == plan.nbytes
     for (src, n, _), (dst, m, _) in zip(plan.local, plan.remote, strict=True):
         assert n == m
         ctypes.memmove(dst, src, n)

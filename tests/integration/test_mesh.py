@@ -230,7 +230,7 @@ def test_reservation_lease_expires_and_returns_blocks(disagg_mesh):
             timeout=30,
             metadata=mesh_metadata(disagg_mesh),
         )
-    assert len(reply.target.block_ids) == 5  # 40 tokens in blocks of 8
+    assert len(reply.target.groups[0].block_ids) == 5  # 40 tokens in blocks of 8
     time.sleep(1.0)
     assert worker_status(disagg_mesh, "decode")[0].lease_expiries == before + 1
     _assert_no_leaks(disagg_mesh)

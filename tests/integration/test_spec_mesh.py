@@ -253,10 +253,11 @@ class TestDisaggMTP:
                 timeout=30,
                 metadata=metadata,
             )
-            assert reply.target.speculative == "mtp" and reply.target.HasField("draft_layout")
+            groups = [g.name for g in reply.target.groups]
+            assert reply.target.speculative == "mtp" and groups == ["kv", "draft"]
             target = common_pb2.KVTarget()
             target.CopyFrom(reply.target)
-            target.ClearField("draft_layout")  # what a rank without speculation sends
+            del target.groups[1]  # what a rank without speculation sends
             target.speculative = ""
             with grpc.insecure_channel(prefill.grpc_address) as prefill_channel:
                 with pytest.raises(grpc.RpcError) as failed:

@@ -81,9 +81,10 @@ def test_pdmesh_generate_runs_a_v4_checkpoint(tiny_v4: Path) -> None:
     assert "unsupported architecture" not in run.stderr
 
 
-def test_the_mesh_refuses_a_v4_checkpoint_with_a_clear_error(tiny_v4: Path) -> None:
+def test_the_mesh_takes_v4_but_refuses_it_under_dep_with_a_clear_error(tiny_v4: Path) -> None:
     from pdmesh.launcher import MeshOptions
     from pdmesh_engine.config import CheckpointError
 
-    with pytest.raises(CheckpointError, match="run offline in this release"):
-        MeshOptions(model_dir=tiny_v4)
+    MeshOptions(model_dir=tiny_v4)
+    with pytest.raises(CheckpointError, match="DeepSeek-V4 does not run under DEP yet"):
+        MeshOptions(model_dir=tiny_v4, decode_dep=2)

@@ -4,26 +4,14 @@ weights, size the KV, build the KV manager)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from pdmesh_engine.config import ModelConfig, read_json
+from pdmesh_engine.config import ModelConfig
+from pdmesh_engine.model.configs import read_model_config
 from pdmesh_engine.model.deepseek_v3.runtime import V3Family
 from pdmesh_engine.model.deepseek_v4.config import V4Config
 from pdmesh_engine.model.deepseek_v4.runtime import V4Family
 
 Family = V3Family | V4Family
-
-
-def read_model_config(model_dir: str | Path) -> ModelConfig | V4Config:
-    """A checkpoint's config.json, parsed by its family (architectures, else model_type)."""
-    path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        return ModelConfig.from_dir(path)  # its errors name what is missing
-    raw = read_json(path / "config.json")
-    archs = raw.get("architectures") or []
-    if "DeepseekV4ForCausalLM" in archs or (not archs and raw.get("model_type") == "deepseek_v4"):
-        return V4Config.from_dict(raw)
-    return ModelConfig.from_dict(raw)
+__all__ = ["Family", "family_of", "read_model_config"]
 
 
 def family_of(model_config: ModelConfig | V4Config) -> Family:

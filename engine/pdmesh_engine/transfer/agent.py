@@ -1,17 +1,18 @@
 """A thin, synchronous NIXL (UCX) agent over one KV block pool: the prefill side pushes, the decode
 side is told.
 
-Chain: decode `KVTransferAgent(name, pool)` → `metadata()` published through the kvstore → prefill
-`connect(name, metadata)` → `write(request_id, local_ids, name, decode_layout, remote_ids)` = ONE
-NIXL WRITE (every layer × coalesced run in one transfer handle, notification = request id) → prefill
-`poll`/`wait` → decode `notifications()` returns the request id once every byte has landed.
+Chain: decode `KVTransferAgent(name, memory)` → `metadata()` published through the kvstore →
+prefill `connect(name, metadata)` → `write_handoff(request_id, tables, name, decode groups, decode
+tables, num_tokens)` = ONE NIXL WRITE (every group × pool × layer × coalesced run in one transfer
+handle, notification = request id) → prefill `poll`/`wait` → decode `notifications()` returns the
+request id once every byte has landed.
 
 Contracts:
-- the pool tensor `[L, N, B, D]` (contiguous, see `pdmesh_engine.transfer.layout`) is registered
-  once and must outlive the agent; the agent never allocates KV memory;
-- with speculative decoding, the proposer's pool (`draft_kv`, `[L', N, B, D']`, the same block ids)
-  is registered beside it, and every WRITE carries both pools' regions (one transfer, one
-  notification): a peer must have a proposer pool exactly when this agent has one;
+- the memory is the rank's KV groups (`layout.KVMemory`: V3 the pool `[L, N, B, D]` and, with
+  speculative decoding, the proposer's pool on the same block ids; V4 its full and window pools),
+  registered once; the tensors must outlive the agent, which never allocates KV memory. Every
+  WRITE carries every group's regions (one transfer, one notification): peers must hold the same
+  groups (`layout.check_groups`);
 - one thread drives an agent (the worker's engine thread); a lock only guards against accidental
   sharing;
 - a WRITE completes only while the receiving agent makes progress, so a receiving (decode) agent
@@ -41,7 +42,14 @@ from typing import Any, Literal
 import torch
 from nixl import _api as nixl_api
 
-from pdmesh_engine.transfer.layout import PoolLayout, plan_write_pools
+from pdmesh_engine.transfer.layout import (
+    KVGroup,
+    KVMemory,
+    PoolLayout,
+    WritePlan,
+    plan_handoff,
+    plan_write_pools,
+)
 
 State = Literal["PENDING", "DONE", "FAILED"]
 _CONFIG_LOCK = threading.Lock()
@@ -59,12 +67,12 @@ class Transfer:
     request_id: str
     peer_name: str
     nbytes: int  # every pool's bytes
-    num_regions: int  # descriptors per side (layers × coalesced runs)
+    num_regions: int  # descriptors per side (pools × layers × coalesced runs)
     started_s: float  # time.perf_counter() when posted
     handle: Any = field(default=None, repr=False)
     state: State = "PENDING"
     finished_s: float | None = None
-    draft_nbytes: int = 0  # of nbytes, the proposer pool's
+    draft_nbytes: int = 0  # of nbytes, the proposer pool's (KV group `draft`)
 
     @property
     def target_nbytes(self) -> int:
@@ -102,34 +110,50 @@ def _new_nixl_agent(name: str, progress_thread: bool, progress_delay_us: int) ->
 
 
 class KVTransferAgent:
-    """Owns one NIXL agent and the registration of one KV pool (and of the speculative proposer's
-    pool beside it, when given)."""
+    """Owns one NIXL agent and the registration of a rank's KV groups."""
 
     def __init__(
         self,
         name: str,
-        kv: torch.Tensor,
+        kv: torch.Tensor | Sequence[KVMemory],
         progress_thread: bool = True,
         progress_delay_us: int = 1000,
         draft_kv: torch.Tensor | None = None,
     ) -> None:
+        """`kv`: the rank's KV groups, or one pool (group `kv`, with `draft_kv` as group `draft`
+        on the same block ids)."""
         if not name:
             raise ValueError("agent name must not be empty")
         self.name = name
-        self.layout = PoolLayout.of_tensor(kv)
-        self.draft_layout = PoolLayout.of_tensor(draft_kv) if draft_kv is not None else None
-        if self.draft_layout is not None and self.draft_layout.num_blocks != self.layout.num_blocks:
+        if isinstance(kv, torch.Tensor):
+            kv = [KVMemory("kv", (kv,))]
+            if draft_kv is not None:
+                kv.append(KVMemory("draft", (draft_kv,), table="kv"))
+        self.memory = tuple(kv)
+        self.groups: tuple[KVGroup, ...] = tuple(m.group() for m in self.memory)
+        if len({g.pools[0].num_blocks for g in self.groups if g.name in ("kv", "draft")}) > 1:
             raise ValueError(
-                f"the proposer pool has {self.draft_layout.num_blocks} blocks, the KV pool "
-                f"{self.layout.num_blocks}: both are addressed by the same block ids"
+                "the proposer pool and the KV pool differ in blocks: both are addressed by the "
+                "same block ids"
             )
-        self._pools = [kv] if draft_kv is None else [kv, draft_kv]  # alive while registered
         self._lock = threading.RLock()
         self._agent = _new_nixl_agent(name, progress_thread, progress_delay_us)
-        self._registrations = [self._agent.register_memory(pool) for pool in self._pools]
+        self._registrations = [
+            self._agent.register_memory(tensor) for m in self.memory for tensor in m.tensors
+        ]
         self._peers: dict[str, bytes] = {}  # peer name -> metadata it was added with
         self.bytes_sent = self.num_transfers = self.num_failures = 0
         self._closed = False
+
+    @property
+    def layout(self) -> PoolLayout:
+        """The first pool of the first group (V3: the KV pool)."""
+        return self.groups[0].pools[0]
+
+    @property
+    def draft_layout(self) -> PoolLayout | None:
+        """The speculative proposer's pool (group `draft`), None without one."""
+        return next((g.pools[0] for g in self.groups if g.name == "draft"), None)
 
     def metadata(self) -> bytes:
         """What peers pass to `connect` (publish it through the kvstore)."""
@@ -190,12 +214,30 @@ class KVTransferAgent:
         if self.draft_layout is not None and peer_draft_layout is not None:
             pools.append((self.draft_layout, peer_draft_layout))
         plan = plan_write_pools(pools, local_block_ids, remote_block_ids)
+        return self._post(request_id, peer_name, peer_layout.memory_type, plan)
+
+    def write_handoff(
+        self,
+        request_id: str,
+        local_tables: dict[str, list[int]],
+        peer_name: str,
+        peer_groups: Sequence[KVGroup],
+        remote_tables: dict[str, list[int]],
+        num_tokens: int,
+    ) -> Transfer:
+        """Post ONE WRITE of the KV of a request's first `num_tokens` tokens: per KV group, the
+        blocks `layout.plan_handoff` names, from this rank's tables of the request (by group) to
+        the peer's. ValueError when the groups differ or a table is short; see `write`."""
+        plan = plan_handoff(self.groups, local_tables, peer_groups, remote_tables, num_tokens)
+        return self._post(request_id, peer_name, peer_groups[0].pools[0].memory_type, plan)
+
+    def _post(self, request_id: str, peer_name: str, peer_memory: str, plan: WritePlan) -> Transfer:
         with self._lock:
             if peer_name not in self._peers:
                 raise ValueError(f"not connected to agent {peer_name!r}")
             try:
                 local = self._agent.get_xfer_descs(plan.local, self.layout.memory_type)
-                remote = self._agent.get_xfer_descs(plan.remote, peer_layout.memory_type)
+                remote = self._agent.get_xfer_descs(plan.remote, peer_memory)
                 handle = self._agent.initialize_xfer(
                     "WRITE", local, remote, peer_name, request_id.encode()
                 )
@@ -204,6 +246,7 @@ class KVTransferAgent:
                 raise TransferError(
                     f"cannot start transfer of {request_id!r} to {peer_name!r}: {e}"
                 ) from e
+            draft = plan.group_nbytes.get("draft", 0) if plan.group_nbytes else None
             transfer = Transfer(
                 request_id,
                 peer_name,
@@ -211,7 +254,7 @@ class KVTransferAgent:
                 len(plan.local),
                 time.perf_counter(),
                 handle,
-                draft_nbytes=sum(plan.pool_nbytes[1:]),
+                draft_nbytes=sum(plan.pool_nbytes[1:]) if draft is None else draft,
             )
             self.num_transfers += 1
             if self._agent.transfer(handle) == "ERR":
@@ -260,7 +303,7 @@ class KVTransferAgent:
         ]
 
     def close(self) -> None:
-        """Forget peers and deregister the pool; the agent is unusable afterwards."""
+        """Forget peers and deregister the memory; the agent is unusable afterwards."""
         with self._lock:
             if self._closed:
                 return

@@ -8,6 +8,13 @@ entry width); `plan_write_pools` puts both pools' regions in the one WRITE. A fa
 KV groups (DeepSeek-V4: a full pool and a window pool, each with its own block ids) gives one
 `GroupWrite` per group, and `plan_write_groups` puts them all in the one WRITE.
 
+A rank describes its KV as `KVGroup`s (a family's spec: V3 `kv`, and `draft` for a speculative
+proposer's pool on the same block ids; V4 `full`, the compressed entries, and `window`, the
+per-token state a step reads only near its position). A hand-off of a prompt's KV (`plan_handoff`)
+moves, per group, the blocks of the request's table (by logical block index) that the receiver's
+next step needs: all of them, or, for a group with a `span`, those holding the prompt's last
+`span` positions.
+
 Legend: L layers, N blocks per layer, B tokens per block, D entry elements per token.
 A pool is the contiguous tensor `[L, N, B, D]` of `pdmesh_engine.kv_cache`; block b of layer l
 starts at `base_address + l * layer_stride_bytes + b * block_bytes` and is `block_bytes = B * D *
@@ -16,8 +23,8 @@ itemsize` long.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 # (local_start, remote_start, count): `count` consecutive blocks on both sides.
@@ -144,6 +151,7 @@ class WritePlan:
     nbytes: int  # total bytes moved (all layers of every pool)
     num_blocks: int  # blocks per layer
     pool_nbytes: tuple[int, ...] = ()  # bytes of each pool, in the order given (sum = nbytes)
+    group_nbytes: Mapping[str, int] = field(default_factory=dict)  # by KV group (plan_handoff)
 
 
 def plan_write(
@@ -216,3 +224,106 @@ def plan_write_groups(groups: Sequence[GroupWrite]) -> WritePlan:
         num_blocks=sum(plan.num_blocks for plan in plans),
         pool_nbytes=tuple(n for plan in plans for n in plan.pool_nbytes),
     )
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """Pools addressed by the same block ids, and how much of a prompt a hand-off moves of them:
+    every block (`span` 0) or the blocks holding its last `span` positions."""
+
+    name: str
+    pools: tuple[PoolLayout, ...]
+    span: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.pools:
+            raise ValueError(f"KV group {self.name!r} has no pools")
+        sizes = {(p.num_blocks, p.block_size) for p in self.pools}
+        if len(sizes) != 1:
+            raise ValueError(f"the pools of KV group {self.name!r} differ in blocks: {sizes}")
+
+    @property
+    def block_size(self) -> int:
+        return self.pools[0].block_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block id across every layer of every pool."""
+        return sum(p.num_layers * p.block_bytes for p in self.pools)
+
+    def handoff_indices(self, num_tokens: int) -> range:
+        """Logical blocks a hand-off of `num_tokens` computed tokens moves."""
+        first = max(0, num_tokens - self.span) // self.block_size if self.span else 0
+        return range(first, -(-num_tokens // self.block_size))
+
+    def check_compatible(self, other: KVGroup) -> None:
+        """ValueError naming the first difference that keeps a hand-off from working."""
+        if (self.name, self.span, len(self.pools)) != (other.name, other.span, len(other.pools)):
+            raise ValueError(
+                f"incompatible KV group: {self.name!r} (span {self.span}, {len(self.pools)} pools)"
+                f" != {other.name!r} (span {other.span}, {len(other.pools)} pools)"
+            )
+        for i, (mine, theirs) in enumerate(zip(self.pools, other.pools, strict=True)):
+            try:
+                mine.check_compatible(theirs)
+            except ValueError as e:
+                raise ValueError(f"KV group {self.name!r}, pool {i}: {e}") from e
+
+
+@dataclass(frozen=True)
+class KVMemory:
+    """A KV group's tensors on this rank (`[L, N, B, D]` each, what an agent registers) and the
+    name of the KV manager's table that addresses them (`EngineCore.kv_tables`)."""
+
+    name: str
+    tensors: tuple[Any, ...]
+    span: int = 0
+    table: str = ""  # "" = `name`
+
+    def group(self) -> KVGroup:
+        return KVGroup(self.name, tuple(PoolLayout.of_tensor(t) for t in self.tensors), self.span)
+
+
+def check_groups(local: Sequence[KVGroup], remote: Sequence[KVGroup]) -> None:
+    """ValueError unless both ranks hold the same KV groups, pool for pool."""
+    names = [g.name for g in local], [g.name for g in remote]
+    if names[0] != names[1]:
+        raise ValueError(f"incompatible KV specs: KV groups {names[0]} here, {names[1]} there")
+    for mine, theirs in zip(local, remote, strict=True):
+        mine.check_compatible(theirs)
+
+
+def handoff_nbytes(groups: Sequence[KVGroup], num_tokens: int) -> dict[str, int]:
+    """Bytes a hand-off of `num_tokens` computed tokens moves, by KV group."""
+    return {g.name: len(g.handoff_indices(num_tokens)) * g.bytes_per_block for g in groups}
+
+
+def plan_handoff(
+    local: Sequence[KVGroup],
+    local_tables: Mapping[str, Sequence[int]],
+    remote: Sequence[KVGroup],
+    remote_tables: Mapping[str, Sequence[int]],
+    num_tokens: int,
+) -> WritePlan:
+    """ONE WRITE's plan for the KV of `num_tokens` computed tokens: per group, the blocks its
+    `handoff_indices` name, from this rank's table of the request to the receiver's (tables by
+    logical block index). ValueError when the specs differ or a table is too short."""
+    check_groups(local, remote)
+    writes = []
+    for group, theirs in zip(local, remote, strict=True):
+        indices = group.handoff_indices(num_tokens)
+        mine_ids, their_ids = local_tables.get(group.name, ()), remote_tables.get(group.name, ())
+        for side, ids in (("this rank", mine_ids), ("the receiver", their_ids)):
+            if len(ids) < indices.stop:
+                raise ValueError(
+                    f"{side} holds {len(ids)} blocks of KV group {group.name!r}; "
+                    f"{num_tokens} tokens need {indices.stop}"
+                )
+        writes.append(
+            GroupWrite(
+                list(zip(group.pools, theirs.pools, strict=True)),
+                [mine_ids[i] for i in indices],
+                [their_ids[i] for i in indices],
+            )
+        )
+    return replace(plan_write_groups(writes), group_nbytes=handoff_nbytes(local, num_tokens))

@@ -1,8 +1,11 @@
-"""`PoolLayout` ⇄ `common.v1.KVLayout` (the wire form a decode rank sends in its `KVTarget`)."""
+"""`PoolLayout` ⇄ `common.v1.KVLayout`, `KVGroup` ⇄ `common.v1.KVGroup` (the wire form a decode
+rank sends in its `KVTarget`)."""
 
 from __future__ import annotations
 
-from pdmesh_engine.transfer.layout import PoolLayout
+from collections.abc import Sequence
+
+from pdmesh_engine.transfer.layout import KVGroup, PoolLayout
 from pdmesh_proto.common.v1 import common_pb2
 
 
@@ -31,3 +34,19 @@ def layout_from_pb(msg: common_pb2.KVLayout) -> PoolLayout:
         device_id=msg.device_id,
         memory_type=msg.memory_type or "DRAM",
     )
+
+
+def group_to_pb(group: KVGroup, block_ids: Sequence[int] = ()) -> common_pb2.KVGroup:
+    return common_pb2.KVGroup(
+        name=group.name,
+        pools=[layout_to_pb(p) for p in group.pools],
+        block_ids=list(block_ids),
+        span=group.span,
+    )
+
+
+def group_from_pb(msg: common_pb2.KVGroup) -> tuple[KVGroup, tuple[int, ...]]:
+    """(the group, its block ids); ValueError for an inconsistent group or an id outside it."""
+    group = KVGroup(msg.name, tuple(layout_from_pb(p) for p in msg.pools), msg.span)
+    group.pools[0].check_block_ids(msg.block_ids, f"KV group {msg.name!r} block")
+    return group, tuple(msg.block_ids)

@@ -49,6 +49,7 @@ from pdmesh_decode.core import (
 )
 from pdmesh_engine.sampling import SamplingParams
 from pdmesh_engine.scheduler import StepOutput
+from pdmesh_engine.transfer.layout import handoff_nbytes
 from pdmesh_service.errors import DeadlineExceeded, MeshError, ResourceExhausted, Unavailable
 from pdmesh_service.handoff import HandoffState, Moved, kv_may_still_arrive, may_be_written
 from pdmesh_service.kvstore_client import HandoffRecords, end_handoff, expire_handoff, move_handoff
@@ -99,22 +100,22 @@ class DecodeConnector:
     # ----- event loop: what the servicer calls -----
     async def reserve(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str, lease_ms: int
-    ) -> list[int]:
-        """Hold blocks, open the hand-off, start the lease; the block ids to write the KV into.
-        ResourceExhausted (pool short), Unavailable (id quarantined, kvstore down, aborted
-        meanwhile)."""
+    ) -> dict[str, list[int]]:
+        """Hold blocks, open the hand-off, start the lease; the block ids to write the KV into, by
+        KV group. ResourceExhausted (pool short), Unavailable (id quarantined, kvstore down,
+        aborted meanwhile)."""
         try:
-            blocks: list[int]
-            blocks, serial = await self.loop.submit(
+            tables: dict[str, list[int]]
+            tables, serial = await self.loop.submit(
                 self._on_reserve, list(prompt_ids), params, request_id, lease_ms / 1000.0
             )
-            await self._open_handoff(request_id, len(blocks), lease_ms)
+            await self._open_handoff(request_id, len(next(iter(tables.values()))), lease_ms)
             if not await self.loop.submit(self._on_publish, request_id, serial):
                 await self._move(request_id, HandoffState.CANCELLED, (HandoffState.RESERVED,))
                 raise Unavailable(
                     f"the reservation of request {request_id} was aborted while it was being made"
                 )
-            return blocks
+            return tables
         except asyncio.CancelledError:
             self.loop.abort_soon(request_id)
             raise
@@ -193,23 +194,24 @@ class DecodeConnector:
     # ----- engine thread: commands and events -----
     def _on_reserve(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str, lease_s: float
-    ) -> tuple[list[int], int]:
+    ) -> tuple[dict[str, list[int]], int]:
         if request_id in self.quarantine:
             raise Unavailable(
                 f"request id {request_id!r} is quarantined here (a KV write into its previous "
                 "blocks may still land); reserve it on another rank or later"
             )
-        blocks = self.loop.engine.reserve(prompt_ids, params, request_id)
-        if blocks is None:
+        tables = self.loop.engine.reserve(prompt_ids, params, request_id)
+        if tables is None:
             raise ResourceExhausted(
                 f"not enough free KV blocks for a {len(prompt_ids)}-token prompt"
             )
         serial = next(self._serials)
+        num_blocks = len(next(iter(tables.values())))
         self.book.add(
-            Reservation(request_id, len(blocks), len(prompt_ids), lease_s, self.cap_s, serial)
+            Reservation(request_id, num_blocks, len(prompt_ids), lease_s, self.cap_s, serial)
         )
         self.loop.metrics.request_taken()
-        return blocks, serial
+        return tables, serial
 
     def _on_publish(self, request_id: str, serial: int) -> bool:
         """Start the lease; False if the reservation is gone (aborted while its record was
@@ -248,11 +250,9 @@ class DecodeConnector:
                 request_id=request_id,
             )
             return
-        # the WRITE filled every layer of the reserved blocks, in each pool (the proposer's too)
-        layout, draft = self.agent.layout, self.agent.draft_layout
-        num_bytes = reservation.num_blocks * layout.num_layers * layout.block_bytes
-        draft_bytes = reservation.num_blocks * draft.num_layers * draft.block_bytes if draft else 0
-        self.loop.metrics.kv_received(num_bytes + draft_bytes, draft_bytes)
+        # the WRITE filled every layer of the blocks each KV group needs (the proposer's too)
+        sizes = handoff_nbytes(self.agent.groups, reservation.num_prompt_tokens)
+        self.loop.metrics.kv_received(sum(sizes.values()), sizes.get("draft", 0))
         self._report(request_id, HandoffState.READY, HandoffState.TRANSFERRING)
         self._carry_out(self.book.apply(request_id, ReservationEvent.KV_ARRIVED, self.clock()))
 

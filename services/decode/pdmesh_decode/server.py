@@ -11,7 +11,7 @@ from pathlib import Path
 from pdmesh_decode.connector import DEFAULT_QUARANTINE_S, DecodeConnector
 from pdmesh_decode.servicer import DecodeServicer
 from pdmesh_engine.config import EngineConfig
-from pdmesh_engine.transfer.pb import layout_to_pb
+from pdmesh_engine.transfer.pb import group_to_pb
 from pdmesh_proto.common.v1 import common_pb2
 from pdmesh_proto.decode.v1 import decode_pb2_grpc
 from pdmesh_service.options import CommonConfig, add_common_arguments, common_from_args
@@ -96,12 +96,10 @@ def build_worker(config: DecodeConfig) -> Callable[[WorkerParts], Worker[DecodeS
         )
         target = common_pb2.KVTarget(
             agent_name=parts.agent.name,
-            layout=layout_to_pb(parts.agent.layout),
             instance_id=parts.instance_id,
             speculative=parts.engine.engine.speculative,
+            groups=[group_to_pb(g) for g in parts.agent.groups],
         )
-        if parts.agent.draft_layout is not None:  # the prefill rank writes the proposer's KV too
-            target.draft_layout.CopyFrom(layout_to_pb(parts.agent.draft_layout))
         return Worker(
             connector,
             DecodeServicer(parts.engine, connector, parts.instance_id, target, config.lease_ms),

@@ -57,7 +57,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         target: common_pb2.KVTarget,
         default_lease_ms: int,
     ) -> None:
-        """`target`: this rank's agent name, pool layout and instance id (Reserve adds the block
+        """`target`: this rank's agent name, KV groups and instance id (Reserve adds the block
         ids)."""
         self.engine, self.connector, self.instance_id = engine, connector, instance_id
         self.target, self.default_lease_ms = target, default_lease_ms
@@ -66,7 +66,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self, request: decode_pb2.ReserveRequest, context: grpc.aio.ServicerContext
     ) -> decode_pb2.ReserveResponse:
         request_id = require_id(request.request_id)
-        block_ids = await self.connector.reserve(
+        tables = await self.connector.reserve(
             list(request.prompt_token_ids),
             sampling_from_pb(request.sampling),
             request_id,
@@ -74,7 +74,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         )
         target = common_pb2.KVTarget()
         target.CopyFrom(self.target)
-        target.block_ids.extend(block_ids)
+        for group in target.groups:
+            group.block_ids.extend(tables[group.name])
         return decode_pb2.ReserveResponse(target=target)
 
     async def Decode(

@@ -18,7 +18,7 @@ from pathlib import Path
 import uvicorn
 from prometheus_client import REGISTRY
 
-from pdmesh_engine.config import ModelConfig, check_mesh_model
+from pdmesh_engine.model.configs import read_model_config
 from pdmesh_engine.tokenizer import Tokenizer
 from pdmesh_gateway.admission import QUEUED_PER_SLOT, QueueLimits
 from pdmesh_gateway.auth import api_key_interceptor
@@ -244,8 +244,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
 
 def load_model_info(config: GatewayConfig) -> ModelInfo:
     """Name, context length and vocabulary from config.json (no weights, no torch)."""
-    check_mesh_model(config.model_dir)
-    mc = ModelConfig.from_dir(config.model_dir)
+    mc = read_model_config(config.model_dir)
     max_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     created = int(Path(config.model_dir, "config.json").stat().st_mtime)
     return ModelInfo(

@@ -29,7 +29,6 @@ from pdmesh_prefill.core import (
     PushTarget,
     after_claim,
     claim_error,
-    plan_push,
 )
 from pdmesh_service.errors import FailedPrecondition, MeshError, Unavailable
 from pdmesh_service.handoff import HandoffState, MoveOutcome, Unknown
@@ -54,9 +53,9 @@ class PushResult:
     """A WRITE that ended DONE; the engine released the prompt's blocks before this was sent."""
 
     step: StepOutput  # the finished prefill step: the first token
-    kv_bytes: int  # every pool's
+    kv_bytes: int  # every KV group's
     seconds: float  # from posting the WRITE to seeing it DONE
-    draft_kv_bytes: int = 0  # of kv_bytes, the speculative proposer pool's
+    draft_kv_bytes: int = 0  # of kv_bytes, the speculative proposer's (group `draft`)
 
 
 # ----- engine thread -----
@@ -116,19 +115,17 @@ class KVPusher:
         push = self._pushes.get(request_id)
         if push is None or push.step is None or push.is_in_flight:
             raise FailedPrecondition(f"request {request_id} has no computed prompt to write")
-        layout = self.agent.layout
         push.waiter, push.target, push.started = future, target, time.perf_counter()
         try:
-            local, remote = plan_push(
+            push.transfer = self.agent.write_handoff(
+                request_id,
+                self.loop.engine.kv_tables(request_id),
+                target.agent_name,
+                target.groups,
+                {name: list(ids) for name, ids in target.block_ids.items()},
                 push.step.num_prompt_tokens,
-                layout.block_size,
-                self.loop.engine.blocks_of(request_id),
-                target,
             )
-            push.transfer = self.agent.write(
-                request_id, local, target.agent_name, target.layout, remote, target.draft_layout
-            )
-            # both pools' blocks of the prompt, every layer
+            # every KV group's blocks of the prompt that decode needs, every pool and layer
             push.num_bytes, push.num_draft_bytes = push.transfer.nbytes, push.transfer.draft_nbytes
         except Exception as e:  # noqa: BLE001 - nothing was posted: reported to the waiter
             self._end(push, e)

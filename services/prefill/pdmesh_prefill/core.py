@@ -22,13 +22,16 @@ states this rank may move to CANCELLED from (never while a WRITE of its may be i
 frees its blocks at once on a CANCELLED it did not cause), and whether the engine still holds the
 blocks (the ending must abort the request to free them).
 
-The prompt's KV lies in the first ceil(prompt_len / block_size) blocks the request holds
-(prefix-cached blocks included, in token order); they go to the same number of leading target
-blocks, every layer.
+The prompt's KV lies in the request's blocks of each KV group (`EngineCore.kv_memory`: V3 `kv`,
+V4 `full` and `window`), by logical block index, prefix-cached blocks included; each group's
+blocks that the receiver's next step needs (`KVGroup.handoff_indices`: all of the prompt's, or for
+V4's window only those of its last positions) go to the target's blocks of the same indices, every
+pool and layer, in one WRITE. Both ranks must hold the same groups (`check_target`: a P and D whose
+block size, dtype or layers differ are refused, the difference named).
 
 Speculative decoding: a rank that speculates keeps the proposer's KV (the MTP layer's or the draft
-model's) in a second pool on the same block ids, and the push writes those blocks of both pools in
-the one WRITE, so decode proposes from its first step. Both ranks must run the same proposer
+model's) in a group of its own (`draft`) on the same block ids, and the push writes it in the one
+WRITE, so decode proposes from its first step. Both ranks must run the same proposer
 (`EngineCore.speculative`, carried by the target): `check_speculation` refuses a hand-off between
 ranks that differ (a decode rank expecting proposer KV is never paired silently with a prefill rank
 that computes none, nor the other way round).
@@ -37,11 +40,11 @@ that computes none, nor the other way round).
 from __future__ import annotations
 
 import enum
-import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from pdmesh_engine.sampling import SamplingParams
-from pdmesh_engine.transfer.layout import PoolLayout
+from pdmesh_engine.transfer.layout import KVGroup, check_groups
 from pdmesh_service.errors import (
     Aborted,
     FailedPrecondition,
@@ -59,23 +62,13 @@ def prefill_params(params: SamplingParams) -> SamplingParams:
     return replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
 
 
-def num_blocks_for(num_tokens: int, block_size: int) -> int:
-    return math.ceil(num_tokens / block_size)
-
-
-def kv_bytes(num_blocks: int, num_layers: int, block_bytes: int) -> int:
-    """Bytes of `num_blocks` blocks across every layer of a pool."""
-    return num_blocks * num_layers * block_bytes
-
-
 @dataclass(frozen=True)
 class PushTarget:
-    """Where a prompt's KV goes: a peer agent, its pool's layout and its reserved blocks."""
+    """Where a prompt's KV goes: a peer agent, its KV groups and its reserved blocks in each."""
 
     agent_name: str
-    layout: PoolLayout
-    block_ids: tuple[int, ...]
-    draft_layout: PoolLayout | None = None  # the decode rank's proposer pool (speculation on)
+    groups: tuple[KVGroup, ...]
+    block_ids: Mapping[str, tuple[int, ...]]  # by group, by logical block index
     speculative: str = ""  # the decode rank's `EngineCore.speculative` ("": off)
 
 
@@ -83,64 +76,34 @@ def _speculation(setting: str) -> str:
     return f"speculative decoding {setting!r}" if setting else "no speculative decoding"
 
 
-def check_speculation(target: PushTarget, speculative: str, draft: PoolLayout | None) -> None:
-    """FailedPrecondition unless the target rank runs the same proposer as this one (`speculative`,
-    with its pool `draft`) and its proposer pool holds the same blocks."""
-    same = "the KV hand-off carries the proposer's KV, so prefill and decode ranks must be started "
-    same += "with the same --speculative-method (and --draft-model)"
+def check_speculation(target: PushTarget, speculative: str) -> None:
+    """FailedPrecondition unless the target rank runs the same proposer as this one."""
     if target.speculative != speculative:
         raise FailedPrecondition(
             f"decode rank {target.agent_name} runs {_speculation(target.speculative)} and this "
-            f"prefill rank {_speculation(speculative)}: {same}"
+            f"prefill rank {_speculation(speculative)}: the KV hand-off carries the proposer's "
+            "KV, so prefill and decode ranks must be started with the same "
+            "--speculative-method (and --draft-model)"
         )
-    if (draft is None) != (target.draft_layout is None):
-        has = "has no" if target.draft_layout is None else "has a"
-        raise FailedPrecondition(
-            f"decode rank {target.agent_name} {has} proposer KV pool, unlike this prefill rank "
-            f"(both run {_speculation(speculative)}): {same}"
-        )
-    if draft is not None and target.draft_layout is not None:
-        try:
-            draft.check_compatible(target.draft_layout)
-        except ValueError as e:
-            raise FailedPrecondition(
-                f"the proposer pool of {target.agent_name} does not match this one: {e}"
-            ) from e
 
 
-def check_target(target: PushTarget, local: PoolLayout, num_prompt_tokens: int) -> int:
-    """Number of blocks to push. FailedPrecondition if the target pool holds other blocks than this
-    one; InvalidArgument if it reserved fewer blocks than the prompt needs."""
+def check_target(target: PushTarget, local: Sequence[KVGroup], num_prompt_tokens: int) -> None:
+    """FailedPrecondition if the target holds other KV groups than this rank (the difference
+    named); InvalidArgument if it reserved fewer blocks than the prompt needs."""
     try:
-        local.check_compatible(target.layout)
+        check_groups(local, target.groups)
     except ValueError as e:
         raise FailedPrecondition(
-            f"target pool of {target.agent_name} does not match this pool: {e}"
+            f"the KV of {target.agent_name} does not match this rank's: {e}"
         ) from e
-    needed = num_blocks_for(num_prompt_tokens, local.block_size)
-    if len(target.block_ids) < needed:
-        raise InvalidArgument(
-            f"the target reserved {len(target.block_ids)} blocks; the prompt's "
-            f"{num_prompt_tokens} tokens need {needed} blocks of "
-            f"{local.block_size}"
-        )
-    return needed
-
-
-def plan_push(
-    num_prompt_tokens: int, block_size: int, local_block_ids: list[int], target: PushTarget
-) -> tuple[list[int], list[int]]:
-    """(local block ids, remote block ids) of the prompt, pairwise, in token order."""
-    needed = num_blocks_for(num_prompt_tokens, block_size)
-    if len(target.block_ids) < needed:
-        raise InvalidArgument(
-            f"the target reserved {len(target.block_ids)} blocks, the prompt needs {needed}"
-        )
-    if len(local_block_ids) < needed:
-        raise RuntimeError(
-            f"the request holds {len(local_block_ids)} blocks, its prompt needs {needed}"
-        )
-    return list(local_block_ids[:needed]), list(target.block_ids[:needed])
+    for group in target.groups:
+        needed = group.handoff_indices(num_prompt_tokens).stop
+        reserved = len(target.block_ids.get(group.name, ()))
+        if reserved < needed:
+            raise InvalidArgument(
+                f"the target reserved {reserved} blocks of KV group {group.name!r}; the "
+                f"prompt's {num_prompt_tokens} tokens need {needed} blocks of {group.block_size}"
+            )
 
 
 # ----- a push's state machine -----

@@ -74,8 +74,7 @@ def _make_worker(parts: WorkerParts) -> Worker[PrefillServicer]:
             connector,
             parts.engine,
             parts.instance_id,
-            parts.agent.layout,
-            parts.agent.draft_layout,
+            parts.agent.groups,
             parts.engine.engine.speculative,
         ),
     )

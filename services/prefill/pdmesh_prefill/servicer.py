@@ -1,8 +1,8 @@
 """The Prefill gRPC service: pb → `connector.PrefillConnector` → pb. Domain errors become status
 codes in the interceptor (see `connector.PrefillConnector.push` for which and when).
 
-Contract of Prefill: the target's layout must match this pool's, and its speculative setting and
-proposer pool this rank's (else FAILED_PRECONDITION: see `core.check_speculation`);
+Contract of Prefill: the target's KV groups must match this rank's, and its speculative setting
+this rank's (else FAILED_PRECONDITION: see `core.check_target`, `core.check_speculation`);
 the prompt runs first, then the hand-off is claimed (RESERVED → TRANSFERRING), and only then is
 the ONE NIXL WRITE posted. A claim that finds the reservation ended means no WRITE: the blocks are
 released and the answer is ABORTED. The answer comes only once the WRITE is DONE and this rank's
@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from pdmesh_engine.sampling import check_prompt
-from pdmesh_engine.transfer.layout import PoolLayout
-from pdmesh_engine.transfer.pb import layout_from_pb
+from pdmesh_engine.transfer.layout import KVGroup
+from pdmesh_engine.transfer.pb import group_from_pb
 from pdmesh_prefill.connector import PrefillConnector
 from pdmesh_prefill.core import PushTarget, check_speculation, check_target, prefill_params
 from pdmesh_proto.common.v1 import common_pb2
@@ -29,14 +29,15 @@ from pdmesh_service.worker.engine_loop import EngineLoop
 
 def target_from_pb(pb: common_pb2.KVTarget) -> PushTarget:
     """The wire target; InvalidArgument (or ValueError) when incomplete or inconsistent."""
-    if not pb.agent_name or not pb.HasField("layout"):
-        raise InvalidArgument("target needs an agent_name and a layout")
-    layout = layout_from_pb(pb.layout)
-    layout.check_block_ids(pb.block_ids, "target block")
-    draft = layout_from_pb(pb.draft_layout) if pb.HasField("draft_layout") else None
-    if draft is not None:
-        draft.check_block_ids(pb.block_ids, "target block")
-    return PushTarget(pb.agent_name, layout, tuple(pb.block_ids), draft, pb.speculative)
+    if not pb.agent_name or not pb.groups:
+        raise InvalidArgument("target needs an agent_name and its KV groups")
+    groups = [group_from_pb(g) for g in pb.groups]
+    return PushTarget(
+        pb.agent_name,
+        tuple(g for g, _ in groups),
+        {g.name: ids for g, ids in groups},
+        pb.speculative,
+    )
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -45,14 +46,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         connector: PrefillConnector,
         engine: EngineLoop,
         instance_id: str,
-        layout: PoolLayout,
-        draft_layout: PoolLayout | None = None,
+        groups: tuple[KVGroup, ...],
         speculative: str = "",
     ) -> None:
-        """`draft_layout`, `speculative`: this rank's proposer pool and setting (speculation on)."""
+        """`groups`: this rank's KV groups; `speculative`: its proposer setting ("": off)."""
         self.connector, self.engine = connector, engine
-        self.instance_id, self.layout = instance_id, layout
-        self.draft_layout, self.speculative = draft_layout, speculative
+        self.instance_id, self.groups, self.speculative = instance_id, groups, speculative
 
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: Any
@@ -63,8 +62,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             prompt, vocab_size=self.engine.vocab_size, max_model_len=self.engine.max_model_len
         )
         target = target_from_pb(request.target)
-        check_speculation(target, self.speculative, self.draft_layout)
-        check_target(target, self.layout, len(prompt))
+        check_speculation(target, self.speculative)
+        check_target(target, self.groups, len(prompt))
         result = await self.connector.push(request_id, prompt, params, target)
         return prefill_pb2.PrefillResponse(
             first_token=first_token_of(result.step),

@@ -54,10 +54,8 @@ def hand_off(
     Returns (tokens per request incl. the first, (blocks, bytes, draft bytes) per WRITE)."""
     from pdmesh_engine.transfer.agent import KVTransferAgent
 
-    sender = KVTransferAgent(
-        "spec-prefill", prefill.kv_caches, progress_thread=False, draft_kv=prefill.draft_kv_caches
-    )
-    receiver = KVTransferAgent("spec-decode", decode.kv_caches, draft_kv=decode.draft_kv_caches)
+    sender = KVTransferAgent("spec-prefill", prefill.kv_memory(), progress_thread=False)
+    receiver = KVTransferAgent("spec-decode", decode.kv_memory())
     writes: list[tuple[int, int, int]] = []
     first: dict[str, int] = {}
     try:
@@ -73,13 +71,13 @@ def hand_off(
             targets = decode.reserve(prompt, PARAMS, f"r{i}")
             assert targets is not None
             n = -(-len(prompt) // BS)
-            transfer = sender.write(
+            transfer = sender.write_handoff(
                 f"r{i}",
-                prefill.blocks_of(f"p{i}")[:n],
+                prefill.kv_tables(f"p{i}"),
                 "spec-decode",
-                receiver.layout,
-                targets[:n],
-                receiver.draft_layout,
+                receiver.groups,
+                targets,
+                len(prompt),
             )
             assert sender.wait(transfer, timeout_s=30) == "DONE"
             writes.append((n, transfer.nbytes, transfer.draft_nbytes))
@@ -89,7 +87,7 @@ def hand_off(
                 time.sleep(0.001)
             assert prefill.release_held(f"p{i}")
             if wipe_draft and decode.draft_kv_caches is not None:
-                decode.draft_kv_caches[:, targets[:n]] = 0.0
+                decode.draft_kv_caches[:, targets["draft"][:n]] = 0.0
         for i in range(len(PROMPTS)):
             assert decode.kv_arrived(f"r{i}", first[f"p{i}"]) is None
         tokens = {f"r{i}": [first[f"p{i}"]] for i in range(len(PROMPTS))}

@@ -421,8 +421,8 @@ def test_target_layout_is_the_decode_pool(mesh: Mesh) -> None:
     target = reserve(mesh, "layout", PROMPTS[2])
     config = ModelConfig.from_dir(mesh.model)
     assert target.agent_name == mesh.decode_id and target.instance_id == mesh.decode_id
-    assert len(target.block_ids) == math.ceil(len(PROMPTS[2]) / BLOCK_SIZE)
-    layout = target.layout
+    assert len(target.groups[0].block_ids) == math.ceil(len(PROMPTS[2]) / BLOCK_SIZE)
+    layout = target.groups[0].pools[0]
     assert (layout.num_layers, layout.num_blocks, layout.block_size) == (
         config.num_hidden_layers,
         NUM_BLOCKS,
@@ -584,7 +584,7 @@ def test_bad_input_is_invalid_argument(mesh: Mesh) -> None:
     expect_code(invalid, lambda: reserve(mesh, "", PROMPTS[0]))
     wrong = common_pb2.KVTarget()
     wrong.CopyFrom(target)
-    wrong.layout.block_size = BLOCK_SIZE * 2
+    wrong.groups[0].pools[0].block_size = BLOCK_SIZE * 2
     expect_code(
         grpc.StatusCode.FAILED_PRECONDITION,
         lambda: mesh.prefill.Prefill(

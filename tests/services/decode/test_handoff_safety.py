@@ -211,7 +211,7 @@ def claim(mesh: SafetyMesh, request_id: str) -> None:
 def test_prefill_slower_than_the_lease_computes_but_does_not_write(mesh: SafetyMesh) -> None:
     before_d, before_p = status(mesh.decode), status(mesh.prefill)
     target = reserve(mesh, "late", PROMPTS[3], lease_ms=1)  # the lease ends long before any prefill
-    content = mesh.pool_blocks(target.block_ids)
+    content = mesh.pool_blocks(target.groups[0].block_ids)
     wait_for(
         lambda: status(mesh.decode, check=False).lease_expiries == before_d.lease_expiries + 1,
         what="the lease to expire",
@@ -229,7 +229,7 @@ def test_prefill_slower_than_the_lease_computes_but_does_not_write(mesh: SafetyM
     )
     assert after_d.kv_bytes_received == before_d.kv_bytes_received
     assert after_d.kv_quarantines == before_d.kv_quarantines
-    assert torch.equal(mesh.pool_blocks(target.block_ids), content)
+    assert torch.equal(mesh.pool_blocks(target.groups[0].block_ids), content)
     assert mesh.handoff_state("late") == "EXPIRED"
     assert_clean(mesh.prefill)
     assert_clean(mesh.decode)
@@ -240,7 +240,7 @@ def test_reservation_cancelled_during_prefill_is_not_written(mesh: SafetyMesh) -
     claim fails."""
     sent = status(mesh.prefill).kv_bytes_sent
     target = reserve(mesh, "cancel-mid", LONG_PROMPT)
-    content = mesh.pool_blocks(target.block_ids)
+    content = mesh.pool_blocks(target.groups[0].block_ids)
     future = mesh.prefill.Prefill.future(
         prefill_pb2.PrefillRequest(
             request_id="cancel-mid", prompt_token_ids=LONG_PROMPT, sampling=GREEDY, target=target
@@ -257,7 +257,7 @@ def test_reservation_cancelled_during_prefill_is_not_written(mesh: SafetyMesh) -
         future.result()
     assert info.value.code() == grpc.StatusCode.ABORTED, "the prefill finished before the cancel"
     assert status(mesh.prefill).kv_bytes_sent == sent
-    assert torch.equal(mesh.pool_blocks(target.block_ids), content)
+    assert torch.equal(mesh.pool_blocks(target.groups[0].block_ids), content)
     assert_clean(mesh.prefill)
 
 
@@ -267,7 +267,7 @@ def test_cancel_while_transferring_holds_the_blocks_until_the_kv_lands(
 ) -> None:
     before = status(mesh.decode)
     target = reserve(mesh, "in-flight", PROMPTS[3])
-    blocks = list(target.block_ids)
+    blocks = list(target.groups[0].block_ids)
     claim(mesh, "in-flight")
     assert cancel(mesh, "in-flight")  # answers once the blocks are quarantined
     held = status(mesh.decode)
@@ -275,7 +275,7 @@ def test_cancel_while_transferring_holds_the_blocks_until_the_kv_lands(
     assert held.kv_blocks_used == len(blocks)
     assert mesh.handoff_state("in-flight") == "CANCELLED"
     other = reserve(mesh, "meanwhile", PROMPTS[3])  # quarantined blocks are not handed out again
-    assert not set(other.block_ids) & set(blocks)
+    assert not set(other.groups[0].block_ids) & set(blocks)
     expect_code(grpc.StatusCode.UNAVAILABLE, lambda: reserve(mesh, "in-flight", PROMPTS[0]))
     assert cancel(mesh, "meanwhile")
     assert status(mesh.decode).kv_blocks_used == len(blocks)
@@ -283,7 +283,7 @@ def test_cancel_while_transferring_holds_the_blocks_until_the_kv_lands(
 
     local = list(range(len(blocks)))  # the late WRITE, notification = request id
     transfer = writer.write(
-        "in-flight", local, mesh.decode_id, layout_from_pb(target.layout), blocks
+        "in-flight", local, mesh.decode_id, layout_from_pb(target.groups[0].pools[0]), blocks
     )
     assert writer.wait(transfer, timeout_s=RPC_TIMEOUT_S) == "DONE"
     assert_clean(mesh.decode)
@@ -297,7 +297,7 @@ def test_quarantine_ends_at_the_cap_without_a_notification(mesh: SafetyMesh) -> 
     target = reserve(mesh, "never-lands", PROMPTS[2])
     claim(mesh, "never-lands")
     assert cancel(mesh, "never-lands")
-    assert status(mesh.decode).kv_blocks_used == len(target.block_ids)
+    assert status(mesh.decode).kv_blocks_used == len(target.groups[0].block_ids)
     wait_for(
         lambda: status(mesh.decode, check=False).kv_blocks_used == 0,
         timeout_s=QUARANTINE_S + 10,
@@ -384,7 +384,7 @@ def test_lease_running_out_while_the_write_is_in_flight_still_completes(
         and held.kv_quarantines == before.kv_quarantines
     )
     assert (
-        held.kv_blocks_used == len(target.block_ids)
+        held.kv_blocks_used == len(target.groups[0].block_ids)
         and mesh.handoff_state("lapse") == "TRANSFERRING"
     )
     gate.set()
@@ -419,7 +419,7 @@ def test_claimed_reservation_whose_kv_never_comes_is_dropped_at_the_cap(mesh: Sa
         lambda: waits_past_its_lease(mesh, "never-written"),
         what="the reservation to outlive its lease",
     )
-    assert status(mesh.decode).kv_blocks_used == len(target.block_ids)
+    assert status(mesh.decode).kv_blocks_used == len(target.groups[0].block_ids)
     wait_for(
         lambda: status(mesh.decode, check=False).kv_blocks_used == 0,
         timeout_s=QUARANTINE_S + 10,

@@ -467,7 +467,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
             await context.abort(self.reserve_error, "no blocks here")
         self.reserved[request.request_id] = request
         return decode_pb2.ReserveResponse(
-            target=common_pb2.KVTarget(instance_id="d", block_ids=[0])
+            target=common_pb2.KVTarget(instance_id="d", groups=[common_pb2.KVGroup(block_ids=[0])])
         )
 
     async def Decode(self, request, context):

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from pdmesh_engine.sampling import SamplingParams
-from pdmesh_engine.transfer.layout import PoolLayout
+from pdmesh_engine.transfer.layout import KVGroup, PoolLayout
 from pdmesh_prefill.core import (
     END_ACTIONS,
     PUSH_TRANSITIONS,
@@ -20,7 +20,6 @@ from pdmesh_prefill.core import (
     after_claim,
     check_target,
     claim_error,
-    plan_push,
     prefill_params,
 )
 from pdmesh_service.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
@@ -114,10 +113,11 @@ def test_rejected_claim_names_the_state_it_found() -> None:
 
 
 def test_target_checks() -> None:
-    target = PushTarget("decode-0", LAYOUT, (5, 6, 7))
-    assert check_target(target, LAYOUT, 17) == 3
-    with pytest.raises(InvalidArgument, match="reserved 3 blocks"):
-        check_target(target, LAYOUT, 25)
+    groups = (KVGroup("kv", (LAYOUT,)),)
+    target = PushTarget("decode-0", groups, {"kv": (5, 6, 7)})
+    check_target(target, groups, 17)
+    with pytest.raises(InvalidArgument, match="reserved 3 blocks of KV group 'kv'"):
+        check_target(target, groups, 25)
     other = PoolLayout(
         base_address=0,
         num_layers=3,
@@ -126,15 +126,27 @@ def test_target_checks() -> None:
         block_bytes=512,
         layer_stride_bytes=16 * 512,
     )
-    with pytest.raises(FailedPrecondition, match="does not match this pool"):
-        check_target(PushTarget("decode-0", other, (1, 2)), LAYOUT, 17)
+    elsewhere = PushTarget("decode-0", (KVGroup("kv", (other,)),), {"kv": (1, 2)})
+    with pytest.raises(FailedPrecondition, match="does not match this rank's.*block_size 8 != 16"):
+        check_target(elsewhere, groups, 17)
 
 
-def test_plan_pairs_the_prompts_leading_blocks_in_token_order() -> None:
-    target = PushTarget("decode-0", LAYOUT, (9, 3, 12, 4))
-    assert plan_push(17, 8, [7, 1, 2, 8], target) == ([7, 1, 2], [9, 3, 12])
-    with pytest.raises(RuntimeError, match="holds 2 blocks"):
-        plan_push(17, 8, [7, 1], target)
+def test_a_windowed_group_needs_only_the_blocks_of_the_last_positions() -> None:
+    # V4's layout: every block of the full group, the window group's last `span` positions only
+    window = PoolLayout(1 << 20, 2, 16, 8, 64, 16 * 64)
+    groups = (KVGroup("full", (LAYOUT,)), KVGroup("window", (window,), span=5))
+    target = PushTarget("decode-0", groups, {"full": (1, 2, 3), "window": (0, 0, 4)})
+    check_target(target, groups, 20)  # window: positions 15..19, blocks 1 and 2
+    assert list(groups[1].handoff_indices(20)) == [1, 2]
+    assert list(groups[1].handoff_indices(3)) == [0]
+    with pytest.raises(InvalidArgument, match="KV group 'window'"):
+        check_target(
+            PushTarget("decode-0", groups, {"full": (1, 2, 3), "window": (0,)}), groups, 20
+        )
+    with pytest.raises(
+        FailedPrecondition, match=r"KV groups \['full', 'window'\] here, \['full'\]"
+    ):
+        check_target(PushTarget("decode-0", groups[:1], {"full": (1, 2, 3)}), groups, 20)
 
 
 def test_prefill_samples_one_token_and_keeps_min_tokens_for_it() -> None:

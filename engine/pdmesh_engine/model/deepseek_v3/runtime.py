@@ -20,6 +20,7 @@ from pdmesh_engine.config import EngineConfig, ModelConfig
 from pdmesh_engine.kv_cache import KVCacheManager
 from pdmesh_engine.model.deepseek_v3.cpu_path import use_cpu_layouts
 from pdmesh_engine.model.deepseek_v3.model import DeepseekV3ForCausalLM
+from pdmesh_engine.transfer.layout import KVMemory
 from pdmesh_kernels import uses_triton
 
 
@@ -127,6 +128,12 @@ class V3Family:
         self, layout: KVLayout, num_blocks: int, enable_caching: bool, recompute_last_hit: bool
     ) -> KVCacheManager:
         return KVCacheManager(num_blocks, layout.block_size, enable_caching, recompute_last_hit)
+
+    def kv_memory(self, kv: torch.Tensor, draft: torch.Tensor | None) -> list[KVMemory]:
+        """The hand-off's KV groups: the pool (`kv`), and a speculative proposer's (`draft`),
+        addressed by the same block table."""
+        groups = [KVMemory("kv", (kv,))]
+        return groups if draft is None else [*groups, KVMemory("draft", (draft,), table="kv")]
 
     def allocate_kv(self, layout: KVLayout, device: torch.device) -> torch.Tensor:
         return allocate_kv_memory(

@@ -27,7 +27,7 @@ import torch
 from pdmesh_engine import huge_pages
 from pdmesh_engine.forward_batch import ForwardBatch
 from pdmesh_engine.model.deepseek_v4.config import CSA, HCA, V4Config
-from pdmesh_engine.transfer.layout import GroupWrite, PoolLayout
+from pdmesh_engine.transfer.layout import KVMemory
 
 
 def default_block_size(config: V4Config) -> int:
@@ -111,6 +111,7 @@ class V4Cache:
     ) -> None:
         check_block_size(config, block_size)
         self.block_size, self.num_blocks = block_size, num_blocks
+        self.window_span = config.window_span
         self.num_window_blocks = num_window_blocks or num_blocks
         hd, ihd = config.head_dim, config.index_head_dim
 
@@ -145,39 +146,15 @@ class V4Cache:
     def full_tensors(self) -> list[torch.Tensor]:
         return [self.csa_kv, self.csa_index, self.hca_kv]
 
-    def transfer_groups(
-        self,
-        other: V4Cache,
-        local: tuple[list[int], list[int]],
-        remote: tuple[list[int], list[int]],
-        num_tokens: int,
-        span: int,
-    ) -> list[GroupWrite]:
-        """What a hand-off of `num_tokens` computed tokens copies from this cache into `other`:
-        every full-pool block, and the window-pool blocks of the positions the receiver's next
-        step reads (`handoff_window_blocks`). `local` / `remote`: (full block ids, window table
-        by logical index) of the request on each side."""
-        window = handoff_window_blocks(num_tokens, span, self.block_size)
-        full_ids = -(-num_tokens // self.block_size)
-
-        def pools(mine: list[torch.Tensor], theirs: list[torch.Tensor]) -> list:  # type: ignore[type-arg]
-            return [
-                (PoolLayout.of_tensor(a), PoolLayout.of_tensor(b))
-                for a, b in zip(mine, theirs, strict=True)
-                if a.shape[0]  # a kind the model has no layer of holds nothing
-            ]
-
+    def memory(self) -> list[KVMemory]:
+        """The hand-off's KV groups (what a NIXL agent registers): `full`, every block of a
+        prompt; `window`, the blocks holding the positions the receiver's next step reads, which
+        may compute the prompt's last token again (`window_span` + 1 positions back). Kinds the
+        model has no layer of hold nothing and are left out."""
+        span = self.window_span + 1
         return [
-            GroupWrite(
-                pools(self.full_tensors(), other.full_tensors()),
-                local[0][:full_ids],
-                remote[0][:full_ids],
-            ),
-            GroupWrite(
-                pools(self.window_tensors(), other.window_tensors()),
-                [local[1][i] for i in window],
-                [remote[1][i] for i in window],
-            ),
+            KVMemory("full", tuple(t for t in self.full_tensors() if t.shape[0])),
+            KVMemory("window", tuple(t for t in self.window_tensors() if t.shape[0]), span),
         ]
 
     @staticmethod
@@ -190,12 +167,6 @@ class V4Cache:
             b.window_per_layer * config.num_hidden_layers + sum(b.rows[k] * n[k] for k in n)
         ) * block_size
         return int(math.ceil(full)), int(window)
-
-
-def handoff_window_blocks(num_tokens: int, span: int, block_size: int) -> range:
-    """The logical window blocks a receiver needs to go on after `num_tokens` computed tokens:
-    those holding positions [num_tokens - span, num_tokens)."""
-    return range(max(0, num_tokens - span) // block_size, -(-num_tokens // block_size))
 
 
 @dataclass

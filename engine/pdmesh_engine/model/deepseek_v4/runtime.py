@@ -30,6 +30,7 @@ from pdmesh_engine.model.deepseek_v4.kv import (
 from pdmesh_engine.model.deepseek_v4.model import DeepseekV4ForCausalLM
 from pdmesh_engine.model.deepseek_v4.quant import iter_v4_tensors
 from pdmesh_engine.model.experts import to_row_tables
+from pdmesh_engine.transfer.layout import KVMemory
 
 log = logging.getLogger(__name__)
 
@@ -190,3 +191,8 @@ class V4Family:
 
     def allocate_kv(self, layout: V4KVLayout, device: torch.device) -> V4Cache:
         return allocate_kv(self.model_config, layout, device)
+
+    def kv_memory(self, kv: V4Cache, draft: torch.Tensor | None) -> list[KVMemory]:
+        if draft is not None:
+            raise ValueError("speculative decoding does not run on DeepSeek-V4 yet")
+        return kv.memory()

@@ -96,21 +96,29 @@ class KVLayout(_message.Message):
     memory_type: str
     def __init__(self, base_address: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., block_bytes: _Optional[int] = ..., layer_stride_bytes: _Optional[int] = ..., device_id: _Optional[int] = ..., memory_type: _Optional[str] = ...) -> None: ...
 
-class KVTarget(_message.Message):
-    __slots__ = ("agent_name", "layout", "block_ids", "instance_id", "draft_layout", "speculative")
-    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
-    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+class KVGroup(_message.Message):
+    __slots__ = ("name", "pools", "block_ids", "span")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_LAYOUT_FIELD_NUMBER: _ClassVar[int]
-    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
-    agent_name: str
-    layout: KVLayout
+    SPAN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    pools: _containers.RepeatedCompositeFieldContainer[KVLayout]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
+    span: int
+    def __init__(self, name: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[KVLayout, _Mapping]]] = ..., block_ids: _Optional[_Iterable[int]] = ..., span: _Optional[int] = ...) -> None: ...
+
+class KVTarget(_message.Message):
+    __slots__ = ("agent_name", "instance_id", "speculative", "groups")
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    agent_name: str
     instance_id: str
-    draft_layout: KVLayout
     speculative: str
-    def __init__(self, agent_name: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., draft_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., speculative: _Optional[str] = ...) -> None: ...
+    groups: _containers.RepeatedCompositeFieldContainer[KVGroup]
+    def __init__(self, agent_name: _Optional[str] = ..., instance_id: _Optional[str] = ..., speculative: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[KVGroup, _Mapping]]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("check_integrity",)

@@ -31,8 +31,9 @@ import grpc
 from redis.exceptions import RedisError
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from pdmesh_engine.config import EngineConfig, check_mesh_model
+from pdmesh_engine.config import EngineConfig
 from pdmesh_engine.engine_core import EngineCore
+from pdmesh_engine.model.configs import check_mesh_model
 from pdmesh_engine.parallel.dep import DEPConfig, DEPContext, init_dep, shutdown_dep
 from pdmesh_engine.transfer.agent import KVTransferAgent
 from pdmesh_service.errors import MeshError
@@ -147,7 +148,7 @@ async def run_worker(
     dep: DEPOptions | None = None,
 ) -> None:
     """Serve until cancelled (see the module docstring)."""
-    check_mesh_model(model_dir)
+    check_mesh_model(model_dir, dep.size if dep is not None else 1)
     dep = dep if dep is not None and dep.size > 1 else None
     if dep is not None and not dep.is_rank:
         raise ValueError(
@@ -160,13 +161,8 @@ async def run_worker(
     engine = await asyncio.to_thread(EngineCore, model_dir, engine_config, context)
     # Decode needs NIXL's progress thread to receive writes promptly; prefill drives progress itself
     # (poll/wait on its own transfers), which measured faster than with the thread.
-    # with speculative decoding the proposer's pool is registered too: a hand-off moves both
-    agent = KVTransferAgent(
-        instance_id,
-        engine.kv_caches,
-        progress_thread=spec.role == "decode",
-        draft_kv=engine.draft_kv_caches,
-    )
+    # every KV group is registered (the proposer's pool too, with speculative decoding)
+    agent = KVTransferAgent(instance_id, engine.kv_memory(), progress_thread=spec.role == "decode")
     rank, size = (dep.rank or 0, dep.size) if dep is not None else (0, 1)  # a DEP rank has its rank
     loop = EngineLoop(engine, agent, instance_id, rank, size, WorkerMetrics(instance_id))
     redis = connect(common.redis_url)
