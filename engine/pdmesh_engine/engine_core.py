@@ -356,7 +356,7 @@ class EngineCore:
 
     def kv_tables(self, request_id: str) -> dict[str, list[int]]:
         """A request's block tables by KV group (`kv_memory`), by logical block index."""
-        tables = self.kv.tables(request_id)
+        tables = self.kv.block_tables(request_id)
         return {m.name: tables[m.table or m.name] for m in self.kv_memory()}
 
     @property

@@ -281,7 +281,7 @@ class KVCacheManager:
         """Blocks for a prompt whose KV another rank computes (None and no change if short)."""
         return self.allocate(request_id, num_tokens)
 
-    def tables(self, request_id: str) -> dict[str, list[int]]:
+    def block_tables(self, request_id: str) -> dict[str, list[int]]:
         """The request's block tables by name (by logical block index): one, `kv`."""
         return {"kv": self.blocks_of(request_id)}
 

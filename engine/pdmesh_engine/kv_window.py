@@ -153,7 +153,7 @@ class WindowedKVManager:
             del self.next_start[request_id]
         return blocks
 
-    def tables(self, request_id: str) -> dict[str, list[int]]:
+    def block_tables(self, request_id: str) -> dict[str, list[int]]:
         """The request's block tables by name (by logical block index): `full` and `window`."""
         return {"full": self.blocks_of(request_id), "window": self.window_table(request_id)}
 

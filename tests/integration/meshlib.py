@@ -130,8 +130,9 @@ def heartbeat_s(mesh: Mesh, name: str) -> float:
 
 
 def start_mesh(model: Path, log_dir: Path, deployment: str, **options: Any) -> Mesh:
-    """A started mesh on loopback: free ports, the tests' worker options (`WORKER_ARGS`), and
-    `options` (other `MeshOptions` fields: roles, mode, gateway arguments, ...)."""
+    """A started mesh on loopback: free ports, the tests' worker options (`WORKER_ARGS` unless
+    `options` give others), and `options` (other `MeshOptions` fields: roles, mode, gateway
+    arguments, ...)."""
     from pdmesh.launcher import MeshOptions
     from pdmesh_service.redis_server import free_port
 
@@ -142,8 +143,7 @@ def start_mesh(model: Path, log_dir: Path, deployment: str, **options: Any) -> M
             grpc_port=free_port(),
             deployment=deployment,
             log_dir=log_dir,
-            worker_args=WORKER_ARGS,
-            **options,
+            **{"worker_args": WORKER_ARGS, **options},
         )
     )
     mesh.start(timeout_s=240, progress=lambda line: None)

@@ -229,22 +229,23 @@ def plan_write_groups(groups: Sequence[GroupWrite]) -> WritePlan:
 @dataclass(frozen=True)
 class KVGroup:
     """Pools addressed by the same block ids, and how much of a prompt a hand-off moves of them:
-    every block (`span` 0) or the blocks holding its last `span` positions."""
+    every block (`span` 0) or the blocks holding its last `span` positions. A block covers
+    `block_size` tokens (0: its pools' block size); a pool may hold fewer entries a block than
+    that (V4's compressed pools: one entry per `rate` tokens)."""
 
     name: str
     pools: tuple[PoolLayout, ...]
     span: int = 0
+    block_size: int = 0
 
     def __post_init__(self) -> None:
         if not self.pools:
             raise ValueError(f"KV group {self.name!r} has no pools")
-        sizes = {(p.num_blocks, p.block_size) for p in self.pools}
-        if len(sizes) != 1:
-            raise ValueError(f"the pools of KV group {self.name!r} differ in blocks: {sizes}")
-
-    @property
-    def block_size(self) -> int:
-        return self.pools[0].block_size
+        counts = {p.num_blocks for p in self.pools}
+        if len(counts) != 1:
+            raise ValueError(f"the pools of KV group {self.name!r} differ in blocks: {counts}")
+        if not self.block_size:
+            object.__setattr__(self, "block_size", self.pools[0].block_size)
 
     @property
     def bytes_per_block(self) -> int:
@@ -258,10 +259,12 @@ class KVGroup:
 
     def check_compatible(self, other: KVGroup) -> None:
         """ValueError naming the first difference that keeps a hand-off from working."""
-        if (self.name, self.span, len(self.pools)) != (other.name, other.span, len(other.pools)):
+        mine = (self.name, self.span, self.block_size, len(self.pools))
+        theirs = (other.name, other.span, other.block_size, len(other.pools))
+        if mine != theirs:
             raise ValueError(
-                f"incompatible KV group: {self.name!r} (span {self.span}, {len(self.pools)} pools)"
-                f" != {other.name!r} (span {other.span}, {len(other.pools)} pools)"
+                "incompatible KV group: (name, span, block size, pools) "
+                f"{mine} here, {theirs} there"
             )
         for i, (mine, theirs) in enumerate(zip(self.pools, other.pools, strict=True)):
             try:
@@ -279,9 +282,11 @@ class KVMemory:
     tensors: tuple[Any, ...]
     span: int = 0
     table: str = ""  # "" = `name`
+    block_size: int = 0  # tokens a block covers (0: the tensors' block dimension)
 
     def group(self) -> KVGroup:
-        return KVGroup(self.name, tuple(PoolLayout.of_tensor(t) for t in self.tensors), self.span)
+        layouts = tuple(PoolLayout.of_tensor(t) for t in self.tensors)
+        return KVGroup(self.name, layouts, self.span, self.block_size)
 
 
 def check_groups(local: Sequence[KVGroup], remote: Sequence[KVGroup]) -> None:

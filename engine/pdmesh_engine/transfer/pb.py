@@ -42,11 +42,13 @@ def group_to_pb(group: KVGroup, block_ids: Sequence[int] = ()) -> common_pb2.KVG
         pools=[layout_to_pb(p) for p in group.pools],
         block_ids=list(block_ids),
         span=group.span,
+        block_size=group.block_size,
     )
 
 
 def group_from_pb(msg: common_pb2.KVGroup) -> tuple[KVGroup, tuple[int, ...]]:
     """(the group, its block ids); ValueError for an inconsistent group or an id outside it."""
-    group = KVGroup(msg.name, tuple(layout_from_pb(p) for p in msg.pools), msg.span)
+    pools = tuple(layout_from_pb(p) for p in msg.pools)
+    group = KVGroup(msg.name, pools, msg.span, msg.block_size)
     group.pools[0].check_block_ids(msg.block_ids, f"KV group {msg.name!r} block")
     return group, tuple(msg.block_ids)

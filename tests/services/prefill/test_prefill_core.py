@@ -127,7 +127,9 @@ def test_target_checks() -> None:
         layer_stride_bytes=16 * 512,
     )
     elsewhere = PushTarget("decode-0", (KVGroup("kv", (other,)),), {"kv": (1, 2)})
-    with pytest.raises(FailedPrecondition, match="does not match this rank's.*block_size 8 != 16"):
+    with pytest.raises(
+        FailedPrecondition, match=r"does not match this rank.s.*8, 1\) here.*16, 1\) there"
+    ):
         check_target(elsewhere, groups, 17)
 
 

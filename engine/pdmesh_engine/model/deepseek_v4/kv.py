@@ -153,8 +153,12 @@ class V4Cache:
         model has no layer of hold nothing and are left out."""
         span = self.window_span + 1
         return [
-            KVMemory("full", tuple(t for t in self.full_tensors() if t.shape[0])),
-            KVMemory("window", tuple(t for t in self.window_tensors() if t.shape[0]), span),
+            KVMemory(
+                "full",
+                tuple(t for t in self.full_tensors() if t.shape[0]),
+                block_size=self.block_size,
+            ),
+            KVMemory("window", tuple(t for t in self.window_tensors() if t.shape[0]), span=span),
         ]
 
     @staticmethod

@@ -97,16 +97,18 @@ class KVLayout(_message.Message):
     def __init__(self, base_address: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., block_bytes: _Optional[int] = ..., layer_stride_bytes: _Optional[int] = ..., device_id: _Optional[int] = ..., memory_type: _Optional[str] = ...) -> None: ...
 
 class KVGroup(_message.Message):
-    __slots__ = ("name", "pools", "block_ids", "span")
+    __slots__ = ("name", "pools", "block_ids", "span", "block_size")
     NAME_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SPAN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     name: str
     pools: _containers.RepeatedCompositeFieldContainer[KVLayout]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     span: int
-    def __init__(self, name: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[KVLayout, _Mapping]]] = ..., block_ids: _Optional[_Iterable[int]] = ..., span: _Optional[int] = ...) -> None: ...
+    block_size: int
+    def __init__(self, name: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[KVLayout, _Mapping]]] = ..., block_ids: _Optional[_Iterable[int]] = ..., span: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class KVTarget(_message.Message):
     __slots__ = ("agent_name", "instance_id", "speculative", "groups")

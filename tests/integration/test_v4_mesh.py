@@ -1,0 +1,149 @@
+"""DeepSeek-V4 through the mesh: real processes, Redis, NIXL and gRPC, a tiny seeded V4 checkpoint.
+
+The hand-off moves V4's two KV groups in one WRITE (every block of compressed entries, and of the
+per-token window state only the blocks the decode's next step reads); greedy outputs through the
+openai SDK equal the offline engine's for disaggregated prefill, local prefill on the decode rank
+and the aggregated mode; the bytes moved are what the V4 spec says, computed here from the
+checkpoint's config alone; nothing leaks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from meshlib import http_url, start_mesh, wait_idle, worker_status
+from openai import OpenAI
+
+BLOCK_SIZE = 16  # the tiny V4's lcm of compress rates (4, 16)
+WORKER_ARGS = (
+    "--block-size",
+    str(BLOCK_SIZE),
+    "--num-blocks",
+    "96",
+    "--max-num-batched-tokens",
+    "64",  # long prompts prefill in several chunks
+    "--max-num-seqs",
+    "8",
+    "--torch-threads",
+    "1",
+)
+LOCAL_PREFILL_TOKENS = 12  # shorter prompts prefill on the decode rank
+CODE = "def area(shape):\n    if shape.kind == 'circle':\n        return 3.14159 * shape.r ** 2\n"
+PROMPTS = [
+    "x = 1",  # local prefill
+    "The quick brown fox jumps over the lazy dog, again and again",
+    CODE * 6,  # hundreds of tokens: many windows, CSA entries past index_topk, several HCA ones
+    CODE * 6 + "    return None",  # shares all of the above as a cached prefix on the prefill rank
+    "import os\n" * 23,
+]
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def tiny_v4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from pdmesh.tools.model_init import init_model
+
+    root = tmp_path_factory.mktemp("v4")
+    return init_model(root / "tiny-v4", "tiny", seed=3, arch="deepseek_v4", verbose=False)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_v4: Path) -> dict[str, tuple[str, int]]:
+    """(text, prompt tokens) of every prompt's greedy completion by the offline engine."""
+    from pdmesh_engine import LLM, SamplingParams
+
+    llm = LLM(tiny_v4, dtype="float32", num_blocks=96, block_size=BLOCK_SIZE)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params)
+    return {p: (o.text, len(o.prompt_token_ids)) for p, o in zip(PROMPTS, outs, strict=True)}
+
+
+def _expected_handoff_bytes(model: Path, num_tokens: int) -> int:
+    """What one hand-off of a `num_tokens` prompt moves, from config.json (fp32 pools): every
+    block of compressed entries (CSA: KV + indexer key per 4 tokens; HCA: KV per 16), and the
+    window blocks holding the prompt's last `span` + 1 positions (per token: every layer's K=V,
+    and each compressed layer's compressor rows)."""
+    config = json.loads((model / "config.json").read_text())
+    kinds = config["layer_types"]
+    csa, hca = (
+        kinds.count("compressed_sparse_attention"),
+        kinds.count("heavily_compressed_attention"),
+    )
+    rates = config["compress_rates"]
+    r_csa, r_hca = rates["compressed_sparse_attention"], rates["heavily_compressed_attention"]
+    hd, ihd = config["head_dim"], config["index_head_dim"]
+    full_block = BLOCK_SIZE * (csa * (hd + ihd) // r_csa + hca * hd // r_hca)
+    window_block = BLOCK_SIZE * (len(kinds) * hd + csa * 4 * (hd + ihd) + hca * 2 * hd)
+    span = max(config["sliding_window"] - 1, 2 * r_csa - 1, r_hca - 1) + 1
+    full_blocks = math.ceil(num_tokens / BLOCK_SIZE)
+    window_blocks = full_blocks - max(0, num_tokens - span) // BLOCK_SIZE
+    return 4 * (full_blocks * full_block + window_blocks * window_block)
+
+
+def _assert_no_leaks(mesh) -> None:
+    for role, group in wait_idle(mesh).items():
+        for status in group:
+            assert status.integrity_checked and status.integrity_error == "", (role, status)
+            assert status.kv_blocks_used == 0, (role, status.instance_id, status.kv_blocks_used)
+
+
+def _complete(mesh, prompt: str):
+    client = OpenAI(base_url=f"{http_url(mesh)}/v1", api_key="unused", max_retries=0)
+    return client.completions.create(
+        model=mesh.options.model_dir.name,
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+
+
+def test_disaggregated_and_local_prefill_match_the_offline_engine(
+    tiny_v4: Path, offline: dict[str, tuple[str, int]], tmp_path: Path
+) -> None:
+    mesh = start_mesh(
+        tiny_v4,
+        tmp_path / "logs",
+        "test-v4-disagg",
+        mode="disagg",
+        worker_args=WORKER_ARGS,
+        gateway_args=("--local-prefill-tokens", str(LOCAL_PREFILL_TOKENS)),
+    )
+    try:
+        before = {role: worker_status(mesh, role)[0] for role in ("prefill", "decode")}
+        paths, moved = {}, 0
+        for prompt in PROMPTS:
+            out = _complete(mesh, prompt)
+            text, num_tokens = offline[prompt]
+            assert out.choices[0].text == text, prompt
+            assert out.usage.prompt_tokens == num_tokens
+            paths[prompt] = out.usage.prompt_tokens_details.prefill_path
+            if paths[prompt] == "disagg":
+                moved += _expected_handoff_bytes(tiny_v4, num_tokens)
+        assert paths[PROMPTS[0]] == "local"
+        assert [paths[p] for p in PROMPTS[1:]] == ["disagg"] * (len(PROMPTS) - 1)
+        assert offline[PROMPTS[2]][1] > 8 * BLOCK_SIZE  # its window blocks mostly stay behind
+        after = {role: worker_status(mesh, role)[0] for role in ("prefill", "decode")}
+        assert after["prefill"].kv_bytes_sent - before["prefill"].kv_bytes_sent == moved
+        assert after["decode"].kv_bytes_received - before["decode"].kv_bytes_received == moved
+        assert after["prefill"].transfer_failures == before["prefill"].transfer_failures
+        _assert_no_leaks(mesh)
+    finally:
+        mesh.stop()
+
+
+def test_the_aggregated_mode_matches_the_offline_engine(
+    tiny_v4: Path, offline: dict[str, tuple[str, int]], tmp_path: Path
+) -> None:
+    mesh = start_mesh(
+        tiny_v4, tmp_path / "logs", "test-v4-agg", mode="agg", worker_args=WORKER_ARGS
+    )
+    try:
+        for prompt in PROMPTS:
+            assert _complete(mesh, prompt).choices[0].text == offline[prompt][0], prompt
+        _assert_no_leaks(mesh)
+    finally:
+        mesh.stop()
