@@ -102,12 +102,12 @@ def deliver(engine: EngineCore, prompts: list[list[int]], params: SamplingParams
             first[out.request_id] = out.new_token_ids[0]
     block_size = engine.kv_layout.block_size
     for i, prompt in enumerate(prompts):
-        targets = engine.reserve(prompt, params, f"r{i}")
-        if targets is None:
+        tables = engine.reserve(prompt, params, f"r{i}")
+        if tables is None:
             raise ValueError("the KV pool is too small for the burst: raise --num-blocks")
         num_blocks = -(-len(prompt) // block_size)
         sources = engine.blocks_of(f"p{i}")[:num_blocks]
-        engine.kv_caches[:, targets[:num_blocks]] = engine.kv_caches[:, sources]
+        engine.kv_caches[:, tables["kv"][:num_blocks]] = engine.kv_caches[:, sources]
         engine.release_held(f"p{i}")
     return {f"r{i}": first[f"p{i}"] for i in range(len(prompts))}
 

@@ -185,9 +185,10 @@ def seed_requests(engine: EngineCore, rank: int, work: Workload) -> None:
     for i in range(work.requests):
         prompt = torch.randint(2, vocab, (work.context,), generator=gen).tolist()
         request_id = f"r{rank}-{i}"
-        blocks = engine.reserve(prompt, params, request_id)
-        if blocks is None:
+        tables = engine.reserve(prompt, params, request_id)
+        if tables is None:
             raise RuntimeError(f"rank {rank}: the KV pool has no room for request {i}")
+        blocks = tables["kv"]
         index = torch.tensor(blocks, dtype=torch.int64)
         values = torch.randn((caches.shape[0], len(blocks), *caches.shape[2:]), generator=gen)
         caches[:, index] = values.to(caches.dtype)

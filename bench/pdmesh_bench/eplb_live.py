@@ -123,9 +123,10 @@ def seed_requests(engine: Any, rank: int, cfg: LiveConfig, phase: str) -> list[s
     for i in range(cfg.requests):
         prompt = torch.randint(2, vocab, (cfg.context,), generator=gen).tolist()
         request_id = f"{phase}-r{rank}-{i}"
-        blocks = engine.reserve(prompt, params, request_id)
-        if blocks is None:
+        tables = engine.reserve(prompt, params, request_id)
+        if tables is None:
             raise RuntimeError(f"rank {rank}: the KV pool has no room for request {i}")
+        blocks = tables["kv"]
         values = torch.randn((caches.shape[0], len(blocks), *caches.shape[2:]), generator=gen)
         caches[:, torch.tensor(blocks, dtype=torch.int64)] = values.to(caches.dtype)
         first = int(torch.randint(2, vocab, (1,), generator=gen))

@@ -87,7 +87,7 @@ def test_a_first_token_sampled_elsewhere_continues_the_one_engine_stream(model_d
     assert targets is not None
     num_blocks = math.ceil(len(PROMPT) / CONFIG.block_size)
     sources = prefill.blocks_of("r")[:num_blocks]
-    decode.runner.kv_caches[:, targets[:num_blocks]] = prefill.runner.kv_caches[:, sources]
+    decode.runner.kv_caches[:, targets["kv"][:num_blocks]] = prefill.runner.kv_caches[:, sources]
     assert decode.kv_arrived("r", first[0]) is None
     assert first + run(decode)["r"] == expected
 

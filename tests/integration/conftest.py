@@ -21,6 +21,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+@pytest.fixture(scope="session")
+def tiny_v4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny seeded DeepSeek-V4 checkpoint (every layer kind, hash and top-k MoE, an MTP layer)."""
+    from pdmesh.tools.model_init import init_model
+
+    root = tmp_path_factory.mktemp("model-v4")
+    return init_model(root / "tiny-v4", "tiny", seed=3, arch="deepseek_v4", verbose=False)
+
+
 def _start(mode: str, model: Path, log_dir: Path) -> Mesh:
     options = MeshOptions(
         model_dir=model,

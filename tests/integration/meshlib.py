@@ -14,19 +14,27 @@ import grpc
 
 from pdmesh.launcher import Mesh
 
-# Small KV pools so leaks show up; a small token budget so chunked prefill happens.
-WORKER_ARGS = (
-    "--block-size",
-    "8",
-    "--num-blocks",
-    "160",
-    "--max-num-batched-tokens",
-    "64",
-    "--max-num-seqs",
-    "16",
-    "--torch-threads",
-    "1",
-)
+
+def worker_args(block_size: int) -> tuple[str, ...]:
+    """Small KV pools so leaks show up; a small token budget so chunked prefill happens."""
+    return (
+        *("--block-size", str(block_size)),
+        *("--num-blocks", "160"),
+        *("--max-num-batched-tokens", "64"),
+        *("--max-num-seqs", "16"),
+        *("--torch-threads", "1"),
+    )
+
+
+WORKER_ARGS = worker_args(8)
+# a DeepSeek-V4 block covers a multiple of every compress rate (the tiny preset's 4 and 16)
+V4_WORKER_ARGS = worker_args(16)
+
+
+def block_size_of(mesh: Mesh) -> int:
+    """The KV block size the mesh's workers run with (their `--block-size`)."""
+    args = mesh.options.worker_args
+    return int(args[args.index("--block-size") + 1])
 
 
 def http_url(mesh: Mesh) -> str:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-from meshlib import WORKER_ARGS, http_url, wait_idle
+from meshlib import V4_WORKER_ARGS, WORKER_ARGS, http_url, wait_idle
 
 from pdmesh.launcher import Mesh, MeshOptions
 from pdmesh_service.redis_server import free_port
@@ -37,30 +37,27 @@ MAX_TOKENS = 160
 SEEDED = {"temperature": 0.9, "seed": 1234, "top_k": 50}
 
 
-@pytest.fixture(scope="module")
-def two_decode_mesh(tiny_model, tmp_path_factory):
+def _two_decode_mesh(model, log_dir, deployment: str, worker_args) -> Mesh:
     options = MeshOptions(
-        model_dir=tiny_model,
+        model_dir=model,
         num_prefill=1,
         num_decode=2,
         http_port=free_port(),
         grpc_port=free_port(),
-        deployment="test-migration",
-        log_dir=tmp_path_factory.mktemp("logs-migration"),
-        worker_args=WORKER_ARGS,
+        deployment=deployment,
+        log_dir=log_dir,
+        worker_args=worker_args,
     )
     mesh = Mesh(options)
     mesh.start(timeout_s=240, progress=lambda line: None)
-    yield mesh
-    mesh.stop()
+    return mesh
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model):
+def _reference(model, block_size: int) -> dict:
     """The offline engine's texts: greedy per prompt, and seeded sampling of the first two."""
     from pdmesh_engine import LLM, SamplingParams
 
-    llm = LLM(tiny_model, num_blocks=512, block_size=8)
+    llm = LLM(model, num_blocks=512, block_size=block_size)
     greedy = llm.generate(
         PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     )
@@ -70,6 +67,20 @@ def reference(tiny_model):
     return {("greedy", p): o.text for p, o in zip(PROMPTS, greedy, strict=True)} | {
         ("seeded", p): o.text for p, o in zip(PROMPTS[:2], seeded, strict=True)
     }
+
+
+@pytest.fixture(scope="module")
+def two_decode_mesh(tiny_model, tmp_path_factory):
+    mesh = _two_decode_mesh(
+        tiny_model, tmp_path_factory.mktemp("logs-migration"), "test-migration", WORKER_ARGS
+    )
+    yield mesh
+    mesh.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    return _reference(tiny_model, 8)
 
 
 @dataclass
@@ -169,18 +180,32 @@ def _restart(mesh: Mesh, name: str) -> None:
     mesh._wait_serving(spec, spec.grpc_address, time.monotonic() + 120)
 
 
-def test_kill_9_of_a_decode_mid_stream_loses_no_request(two_decode_mesh, reference, tiny_model):
-    mesh, url = two_decode_mesh, http_url(two_decode_mesh)
+def _kill_9_loses_no_request(mesh: Mesh, reference: dict, model) -> None:
+    url = http_url(mesh)
     before = _migrations(url)
     streams = _streams()
     victim = mesh.processes["decode-0"]
     _run_with_fault(mesh, streams, lambda: victim.send_signal(signal.SIGKILL))
-    _check(streams, reference, tiny_model)
+    _check(streams, reference, model)
     assert _migrations(url) > before, "no stream was on the killed decode rank"
     _restart(mesh, "decode-0")
     for role, group in wait_idle(mesh).items():
         for status in group:
             assert status.kv_blocks_used == 0, f"{role} {status.instance_id} leaks blocks"
+
+
+def test_kill_9_of_a_decode_mid_stream_loses_no_request(two_decode_mesh, reference, tiny_model):
+    _kill_9_loses_no_request(two_decode_mesh, reference, tiny_model)
+
+
+def test_kill_9_of_a_decode_mid_stream_loses_no_request_on_v4(tiny_v4, tmp_path):
+    """The same on DeepSeek-V4: the stream continues on the other rank from its hybrid state,
+    recomputed there (the window and compressed entries of prompt + tokens so far)."""
+    mesh = _two_decode_mesh(tiny_v4, tmp_path / "logs", "test-migration-v4", V4_WORKER_ARGS)
+    try:
+        _kill_9_loses_no_request(mesh, _reference(tiny_v4, 16), tiny_v4)
+    finally:
+        mesh.stop()
 
 
 def test_a_paused_decode_is_abandoned_and_its_streams_move_on(

@@ -11,24 +11,26 @@ import time
 import grpc
 import httpx
 import pytest
-from meshlib import http_url, mesh_metadata, start_mesh
+from meshlib import V4_WORKER_ARGS, WORKER_ARGS, block_size_of, http_url, mesh_metadata, start_mesh
 
 from pdmesh.launcher import Mesh
 from pdmesh_gateway.routing import prompt_block_hashes
 
-BLOCK_SIZE = 8  # meshlib.WORKER_ARGS
 LOCAL_TOKENS = 24  # prompts with at most this many tokens uncached on decode are prefilled there
 
 
-@pytest.fixture(scope="module")
-def mesh(tiny_model, tmp_path_factory):
+@pytest.fixture(scope="module", params=["v3", "v4"])
+def mesh(request, tmp_path_factory):
+    """DeepSeek-V3 and DeepSeek-V4 (whose ranks index the same block hashes: its full pool's)."""
+    model = request.getfixturevalue("tiny_model" if request.param == "v3" else "tiny_v4")
     mesh = start_mesh(
-        tiny_model,
-        tmp_path_factory.mktemp("logs-routing"),
-        "test-routing",
+        model,
+        tmp_path_factory.mktemp(f"logs-routing-{request.param}"),
+        f"test-routing-{request.param}",
         num_prefill=2,
         num_decode=1,
         gateway_args=("--local-prefill-tokens", str(LOCAL_TOKENS)),
+        worker_args=WORKER_ARGS if request.param == "v3" else V4_WORKER_ARGS,
     )
     yield mesh
     mesh.stop()
@@ -49,7 +51,9 @@ def _indexed(mesh: Mesh, prompt: list[int]) -> dict[str, int]:
     [address] = [a for s in mesh.specs if s.role == "kvstore" for a in s.addresses]
     with grpc.insecure_channel(address) as channel:
         answer = kvstore_pb2_grpc.KVStoreStub(channel).LongestPrefix(
-            kvstore_pb2.LongestPrefixRequest(block_hashes=prompt_block_hashes(prompt, BLOCK_SIZE)),
+            kvstore_pb2.LongestPrefixRequest(
+                block_hashes=prompt_block_hashes(prompt, block_size_of(mesh))
+            ),
             timeout=10,
             metadata=mesh_metadata(mesh),
         )
@@ -58,7 +62,7 @@ def _indexed(mesh: Mesh, prompt: list[int]) -> dict[str, int]:
 
 def _wait_indexed(mesh: Mesh, prompt: list[int], prefills: list[str]) -> str:
     """The prefill rank the index names for all of `prompt`'s blocks (waits for its events)."""
-    want = (len(prompt) - 1) // BLOCK_SIZE
+    want = (len(prompt) - 1) // block_size_of(mesh)
     deadline = time.monotonic() + 15
     while True:
         holders = [r for r, n in _indexed(mesh, prompt).items() if r in prefills and n == want]
@@ -77,7 +81,7 @@ def test_a_session_turn_goes_to_the_prefill_rank_holding_its_prefix(mesh) -> Non
     assert usage["prompt_tokens_details"] == {"cached_tokens": 0, "prefill_path": "disagg"}
     for _turn in range(3):  # each turn appends more than the local threshold
         holder = _wait_indexed(mesh, prompt, prefills)
-        held = (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+        held = (len(prompt) - 1) // block_size_of(mesh) * block_size_of(mesh)
         prompt = prompt + [rng.randrange(16, 500) for _ in range(40)]
         usage = _complete(mesh, prompt)
         details = usage["prompt_tokens_details"]

@@ -14,22 +14,10 @@ import math
 from pathlib import Path
 
 import pytest
-from meshlib import http_url, start_mesh, wait_idle, worker_status
+from meshlib import V4_WORKER_ARGS, http_url, start_mesh, wait_idle, worker_status
 from openai import OpenAI
 
-BLOCK_SIZE = 16  # the tiny V4's lcm of compress rates (4, 16)
-WORKER_ARGS = (
-    "--block-size",
-    str(BLOCK_SIZE),
-    "--num-blocks",
-    "96",
-    "--max-num-batched-tokens",
-    "64",  # long prompts prefill in several chunks
-    "--max-num-seqs",
-    "8",
-    "--torch-threads",
-    "1",
-)
+BLOCK_SIZE = 16  # meshlib.V4_WORKER_ARGS
 LOCAL_PREFILL_TOKENS = 12  # shorter prompts prefill on the decode rank
 CODE = "def area(shape):\n    if shape.kind == 'circle':\n        return 3.14159 * shape.r ** 2\n"
 PROMPTS = [
@@ -43,19 +31,11 @@ MAX_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
-def tiny_v4(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from pdmesh.tools.model_init import init_model
-
-    root = tmp_path_factory.mktemp("v4")
-    return init_model(root / "tiny-v4", "tiny", seed=3, arch="deepseek_v4", verbose=False)
-
-
-@pytest.fixture(scope="module")
 def offline(tiny_v4: Path) -> dict[str, tuple[str, int]]:
     """(text, prompt tokens) of every prompt's greedy completion by the offline engine."""
     from pdmesh_engine import LLM, SamplingParams
 
-    llm = LLM(tiny_v4, dtype="float32", num_blocks=96, block_size=BLOCK_SIZE)
+    llm = LLM(tiny_v4, dtype="float32", num_blocks=160, block_size=BLOCK_SIZE)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     outs = llm.generate(PROMPTS, params)
     return {p: (o.text, len(o.prompt_token_ids)) for p, o in zip(PROMPTS, outs, strict=True)}
@@ -109,7 +89,7 @@ def test_disaggregated_and_local_prefill_match_the_offline_engine(
         tmp_path / "logs",
         "test-v4-disagg",
         mode="disagg",
-        worker_args=WORKER_ARGS,
+        worker_args=V4_WORKER_ARGS,
         gateway_args=("--local-prefill-tokens", str(LOCAL_PREFILL_TOKENS)),
     )
     try:
@@ -123,8 +103,10 @@ def test_disaggregated_and_local_prefill_match_the_offline_engine(
             paths[prompt] = out.usage.prompt_tokens_details.prefill_path
             if paths[prompt] == "disagg":
                 moved += _expected_handoff_bytes(tiny_v4, num_tokens)
+        # short prompts prefill on decode; so may a prompt whose prefix decode's cache holds
+        # (PROMPTS[3] once PROMPTS[2]'s blocks are indexed there): the bytes follow the paths
         assert paths[PROMPTS[0]] == "local"
-        assert [paths[p] for p in PROMPTS[1:]] == ["disagg"] * (len(PROMPTS) - 1)
+        assert paths[PROMPTS[1]] == paths[PROMPTS[2]] == paths[PROMPTS[4]] == "disagg"
         assert offline[PROMPTS[2]][1] > 8 * BLOCK_SIZE  # its window blocks mostly stay behind
         after = {role: worker_status(mesh, role)[0] for role in ("prefill", "decode")}
         assert after["prefill"].kv_bytes_sent - before["prefill"].kv_bytes_sent == moved
@@ -139,7 +121,7 @@ def test_the_aggregated_mode_matches_the_offline_engine(
     tiny_v4: Path, offline: dict[str, tuple[str, int]], tmp_path: Path
 ) -> None:
     mesh = start_mesh(
-        tiny_v4, tmp_path / "logs", "test-v4-agg", mode="agg", worker_args=WORKER_ARGS
+        tiny_v4, tmp_path / "logs", "test-v4-agg", mode="agg", worker_args=V4_WORKER_ARGS
     )
     try:
         for prompt in PROMPTS:
