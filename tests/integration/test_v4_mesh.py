@@ -13,6 +13,7 @@ import json
 import math
 from pathlib import Path
 
+import httpx
 import pytest
 from meshlib import V4_WORKER_ARGS, http_url, start_mesh, wait_idle, worker_status
 from openai import OpenAI
@@ -108,6 +109,11 @@ def test_disaggregated_and_local_prefill_match_the_offline_engine(
         assert paths[PROMPTS[0]] == "local"
         assert paths[PROMPTS[1]] == paths[PROMPTS[2]] == paths[PROMPTS[4]] == "disagg"
         assert offline[PROMPTS[2]][1] > 8 * BLOCK_SIZE  # its window blocks mostly stay behind
+        routing = httpx.get(f"{http_url(mesh)}/mesh", timeout=10).json()["routing"]
+        handoffs = [offline[p][1] for p in PROMPTS if paths[p] == "disagg"]
+        assert routing["handoffs_measured"] == len(handoffs)
+        assert routing["kv_bytes_per_handoff"] == moved // len(handoffs)
+        assert routing["kv_bytes_per_prompt_token"] == round(moved / sum(handoffs), 1)
         after = {role: worker_status(mesh, role)[0] for role in ("prefill", "decode")}
         assert after["prefill"].kv_bytes_sent - before["prefill"].kv_bytes_sent == moved
         assert after["decode"].kv_bytes_received - before["decode"].kv_bytes_received == moved

@@ -298,6 +298,8 @@ def _paths(model: ModelInfo, max_body_bytes: int) -> dict[str, Any]:
             "handoff_overhead_ms": NUMBER,
             "prefill_tokens_per_s": NUMBER,
             "handoffs_measured": integer(0),
+            "kv_bytes_per_handoff": nullable(integer(0)),
+            "kv_bytes_per_prompt_token": nullable(NUMBER),
             "prefill_paths": {"type": "object", "additionalProperties": integer(0)},
         },
         ("prefill", "local_prefill", "local_prefill_threshold_tokens", "prefill_paths"),

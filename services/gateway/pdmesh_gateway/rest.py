@@ -112,6 +112,11 @@ def routing_view(starter: Starter) -> dict[str, Any]:
         "handoff_overhead_ms": round(handoffs.overhead_s * 1e3, 3),
         "prefill_tokens_per_s": round(handoffs.tokens_per_s, 1),
         "handoffs_measured": handoffs.samples,
+        # what a hand-off moves over NIXL (V4's hybrid state is a fraction of V3's latents)
+        "kv_bytes_per_handoff": handoffs.kv_bytes_per_handoff,
+        "kv_bytes_per_prompt_token": None
+        if (per_token := handoffs.kv_bytes_per_prompt_token) is None
+        else round(per_token, 1),
         "prefill_paths": dict(starter.paths),
     }
 

@@ -141,6 +141,8 @@ class HandoffModel:
     ) -> None:
         self.overhead_s, self.tokens_per_s, self.alpha = overhead_s, tokens_per_s, alpha
         self.samples = 0
+        # KV moved by the hand-offs, and the prompt tokens it was the KV of
+        self.kv_bytes = self.kv_prompt_tokens = 0
 
     def observe(
         self,
@@ -149,14 +151,27 @@ class HandoffModel:
         prefill_s: float,
         transfer_s: float,
         decode_s: float,
+        kv_bytes: int = 0,
+        prompt_tokens: int = 0,
     ) -> None:
-        """One hand-off's phases as the gateway timed them (`transfer_s` as prefill reported)."""
+        """One hand-off's phases as the gateway timed them (`transfer_s` and `kv_bytes`, the KV
+        it moved for `prompt_tokens`, as prefill reported)."""
         self.samples += 1
+        self.kv_bytes += kv_bytes
+        self.kv_prompt_tokens += prompt_tokens
         overhead = max(reserve_s, 0.0) + max(transfer_s, 0.0) + max(decode_s, 0.0)
         self.overhead_s += self.alpha * (overhead - self.overhead_s)
         compute_s = prefill_s - transfer_s
         if uncached_tokens >= MIN_SPEED_SAMPLE_TOKENS and compute_s > 0:
             self.tokens_per_s += self.alpha * (uncached_tokens / compute_s - self.tokens_per_s)
+
+    @property
+    def kv_bytes_per_handoff(self) -> int | None:
+        return self.kv_bytes // self.samples if self.samples else None
+
+    @property
+    def kv_bytes_per_prompt_token(self) -> float | None:
+        return self.kv_bytes / self.kv_prompt_tokens if self.kv_prompt_tokens else None
 
     @property
     def threshold_tokens(self) -> int:

@@ -414,7 +414,15 @@ class Starter:
             self.admission.release(rank, tokens)
         stream = await self._decode(request, decode, first, deadline, excluded)
         uncached = len(request.prompt_ids) - first.num_cached_tokens
-        self.handoffs.observe(uncached, t1 - t0, t2 - t1, first.transfer_seconds, clock() - t2)
+        self.handoffs.observe(
+            uncached,
+            t1 - t0,
+            t2 - t1,
+            first.transfer_seconds,
+            clock() - t2,
+            first.kv_bytes,
+            len(request.prompt_ids),
+        )
         self.metrics.local_prefill_threshold.set(self.local_threshold)
         return stream
 
