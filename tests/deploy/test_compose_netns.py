@@ -327,7 +327,9 @@ def start_in_order(net: Netns, services: dict[str, Any], model_root: Path) -> No
 
 
 @pytest.fixture()
-def netns_mesh(tmp_path: Path) -> Iterator[Netns]:
+def netns_mesh(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Netns]:
+    """The compose mesh in network namespaces, serving a tiny checkpoint of the architecture the
+    test asks for (DeepSeek-V3, or V4 whose hand-off moves its two KV groups)."""
     reason = netns_unavailable()
     if reason:
         pytest.skip(reason)
@@ -336,7 +338,7 @@ def netns_mesh(tmp_path: Path) -> Iterator[Netns]:
     services = {n: s for n, s in compose()["services"].items() if n not in NOT_STARTED}
     model_name = Path(flag_value(service_argv(services["gateway"]), "--model")).name
     model_root = tmp_path / "models"
-    init_model(model_root / model_name, preset="tiny", seed=0, verbose=False)
+    init_model(model_root / model_name, "tiny", seed=0, arch=request.param, verbose=False)
     logs = tmp_path / "logs"
     logs.mkdir()
     net = Netns(secrets.token_hex(3), free_subnet(), {}, {}, {}, logs)
@@ -380,6 +382,7 @@ def samples(text: str, name: str) -> dict[str, float]:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("netns_mesh", ["deepseek_v3", "deepseek_v4"], indirect=True)
 def test_compose_mesh_in_network_namespaces_serves_and_moves_kv_over_ucx_tcp(
     netns_mesh: Netns,
 ) -> None:
