@@ -77,7 +77,7 @@ class MeshOptions:
     worker_nice: int = DEFAULT_WORKER_NICE
 
     def __post_init__(self) -> None:
-        check_mesh_model(self.model_dir, max(self.prefill_dep, self.decode_dep))
+        check_mesh_model(self.model_dir)
         if not 0 <= self.worker_nice <= 19:
             raise ValueError(f"--worker-nice must be in [0, 19], got {self.worker_nice}")
         if self.mode not in ("disagg", "agg"):

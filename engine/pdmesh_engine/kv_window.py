@@ -34,10 +34,13 @@ class WindowedKVManager:
         block_size: int,
         span: int,
         enable_caching: bool = True,
+        recompute_last_hit: bool = False,
     ) -> None:
+        """`recompute_last_hit`: as `KVCacheManager`'s (a prefix hit gives up its last block; the
+        window blocks it needs are those of the shortened hit)."""
         if num_window_blocks < 2:
             raise ValueError(f"the window pool needs >= 2 blocks, got {num_window_blocks}")
-        self.full = KVCacheManager(num_full_blocks, block_size, enable_caching)
+        self.full = KVCacheManager(num_full_blocks, block_size, enable_caching, recompute_last_hit)
         self.window = BlockPool(num_window_blocks, enable_caching)
         self.window.allocate(1)  # NULL_BLOCK, held for good
         self.block_size, self.span = block_size, span

@@ -2,7 +2,8 @@
 
 What differs between model families (loading, the KV layout and its manager) comes from the
 checkpoint's family (`pdmesh_engine.model.registry.family_of`: `deepseek_v3.runtime.V3Family`,
-`deepseek_v4.runtime.V4Family`); speculative decoding and CUDA graphs are V3's.
+`deepseek_v4.runtime.V4Family`); CUDA graphs and a draft model are V3's, MTP speculation runs on
+both (V4's proposer keeps its KV in window-pool blocks, `V4MTPProposer`).
 
 `execute(SchedulerOutput) -> {request_id: SampledToken}`: build a `ForwardBatch`, run the model
 (a decode-only step where the Triton kernels run: by replaying a CUDA graph, see
@@ -41,12 +42,20 @@ from pdmesh_engine.cuda_graphs import DecodeGraphs, capture_cuda, capture_eager
 from pdmesh_engine.forward_batch import ForwardBatch
 from pdmesh_engine.model.deepseek_v3.model import DeepseekV3ForCausalLM
 from pdmesh_engine.model.deepseek_v3.runtime import V3Family, load_model
-from pdmesh_engine.model.moe import ExpertLoadRecorder, MoE
+from pdmesh_engine.model.deepseek_v4.model import DeepseekV4ForCausalLM
+from pdmesh_engine.model.deepseek_v4.runtime import V4KVLayout
+from pdmesh_engine.model.moe import ExpertLoadRecorder, PlacedExperts
 from pdmesh_engine.model.registry import family_of
 from pdmesh_engine.request import Request
 from pdmesh_engine.sampler import Sampler, SamplerOutput
 from pdmesh_engine.scheduler import SampledToken, SchedulerOutput, SpecTokens
-from pdmesh_engine.spec_proposer import DraftModelProposer, MTPProposer, Proposer, check_draft
+from pdmesh_engine.spec_proposer import (
+    DraftModelProposer,
+    MTPProposer,
+    Proposer,
+    V4MTPProposer,
+    check_draft,
+)
 from pdmesh_engine.spec_runner import SpecDecoder
 from pdmesh_kernels import uses_triton
 
@@ -78,11 +87,12 @@ class ModelRunner:
         draft_model_kwargs: Callable[[ModelConfig], dict[str, Any]] | None = None,
         reserve_scratch: bool = False,
     ) -> None:
-        """`model_kwargs` go to `DeepseekV3ForCausalLM` (DEP: placements, this rank's slots, the
+        """`model_kwargs` go to the family's model (DEP: placements, this rank's slots, the
         dispatcher); `draft_model_kwargs(draft config)` those of a speculative draft model (DEP:
         its own placement on the same dispatcher). The last KV block is kept as `scratch_block`
         (written by padding and dummy passes, never handed to a request) with `reserve_scratch`
-        (DEP's dummy forwards) or CUDA graphs."""
+        (DEP's dummy forwards) or CUDA graphs; a V4 runner keeps its window pool's last block too
+        (`scratch_window_block`)."""
         self.family = family_of(model_config)
         config = self.family.engine_config(config)
         self.config, self.model_config = config, model_config
@@ -106,6 +116,13 @@ class ModelRunner:
         self.scratch_block = (
             self.kv_layout.num_blocks - 1 if reserve_scratch or use_graphs else None
         )
+        # V4: the window pool's last block goes with it, so that a dummy pass's per-token rows
+        # land in no request's block either (`deepseek_v4.runtime.make_kv_manager`)
+        self.scratch_window_block = (
+            self.kv_layout.num_window_blocks - 1
+            if self.scratch_block is not None and isinstance(self.kv_layout, V4KVLayout)
+            else None
+        )
         self.graphs = self._make_graphs() if use_graphs else None
         self.sampler = Sampler(seed=config.seed)
         # a windowed family's second block table per request (set by the engine that owns the
@@ -115,7 +132,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.spec: SpecDecoder | None = None
         if self.proposer is not None:
-            self.proposer.allocate_kv(self.kv_layout.num_blocks, config.block_size)
+            self.proposer.allocate_kv(self._proposer_blocks(), config.block_size)
             self.spec = SpecDecoder(self, self.proposer, config.num_spec_tokens)
         moe = self.model.moe_layers
         self.expert_load = (
@@ -151,7 +168,7 @@ class ModelRunner:
             m.w13.nbytes + m.w2.nbytes
             for model in models
             for m in model.modules()
-            if isinstance(m, MoE)
+            if isinstance(m, PlacedExperts)
         )
 
     def dispatch_stats(self) -> Any:
@@ -171,6 +188,8 @@ class ModelRunner:
         fit it (mtp: no MTP layer; draft_model: another vocabulary or tokenizer)."""
         k = self.config.num_spec_tokens
         if self.config.speculative_method == "mtp":
+            if isinstance(self.model, DeepseekV4ForCausalLM):
+                return V4MTPProposer(self.model, k, self.dtype, self.device)
             return MTPProposer(self.model, k, self.dtype, self.device)
         draft_dir = Path(self.config.draft_model or "")
         draft_config = ModelConfig.from_dir(draft_dir)
@@ -184,6 +203,13 @@ class ModelRunner:
                 len(moe), moe[0].placement.num_physical, self.config.expert_load_window, self.device
             )
         return proposer
+
+    def _proposer_blocks(self) -> int:
+        """Blocks of the proposer's cache: the pool its block ids address (V4: the window
+        pool)."""
+        if isinstance(self.kv_layout, V4KVLayout):
+            return self.kv_layout.num_window_blocks
+        return self.kv_layout.num_blocks
 
     @torch.inference_mode()
     def execute(

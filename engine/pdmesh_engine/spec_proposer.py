@@ -21,6 +21,13 @@ emitted, `next_token`); row `last_row` of the target's forward is position q - 1
   emitted token at q, and each draft in turn: draft j + 1 from the pass at q + j. Writes up to
   q + K - 1.
 
+DeepSeek-V4 (`V4MTPProposer`): the same MTP scheme, with V4's state. h_t is the target's final
+residual streams [T, N, D] (`DeepseekV4ForCausalLM.forward_streams`, before the hyper-head), and
+the layer's own output streams feed its next pass. Its block is a sliding-window layer, so its KV
+is the window's K=V entries only, in a pool of the window pool's blocks `[1, num_window_blocks, B,
+head_dim]` addressed by the request's window table (`ProposeSeq.window_ids`), which covers every
+position its passes read or write (the window behind the step, the step, the lookahead).
+
 Lockstep (DEP, pdmesh_engine.parallel.dep): every proposer pass crosses the MoE all-to-all, so every
 rank runs the same number of passes per step, `num_passes` (a function of K and the method only):
 MTP its first pass over the step's rows + K - 1 single-token passes, the draft model its pass over
@@ -50,6 +57,7 @@ import torch
 from pdmesh_engine.config import ModelConfig
 from pdmesh_engine.forward_batch import ForwardBatch
 from pdmesh_engine.model.deepseek_v3.model import DeepseekV3ForCausalLM
+from pdmesh_engine.model.deepseek_v4.model import DeepseekV4ForCausalLM
 from pdmesh_engine.model.moe import ExpertLoadRecorder
 
 # (logits [B', V] of the proposing requests `seq_indices`, draft index j) -> one token id each
@@ -65,6 +73,7 @@ class ProposeSeq:
     position: int
     block_ids: list[int]
     max_position: int  # the last position its blocks cover: nothing is written past it
+    window_ids: list[int] | None = None  # its window table (V4's window pool); None: one table
 
 
 def check_draft(target_dir: Path, target: ModelConfig, draft_dir: Path, draft: ModelConfig) -> None:
@@ -176,6 +185,7 @@ class Proposer(ABC):
     def _single_tokens(
         self, token_ids: list[int], positions: list[int], seqs: list[ProposeSeq]
     ) -> ForwardBatch:
+        windows = [s.window_ids for s in seqs if s.window_ids is not None]
         return ForwardBatch.build(
             [[t] for t in token_ids],
             positions,
@@ -183,6 +193,7 @@ class Proposer(ABC):
             self.kv_caches.shape[2],
             [False] * len(seqs),
             self.device,
+            windows if len(windows) == len(seqs) else None,
         )
 
 
@@ -190,7 +201,11 @@ class MTPProposer(Proposer):
     """The target checkpoint's first MTP layer drafts (module docstring)."""
 
     def __init__(
-        self, model: DeepseekV3ForCausalLM, k: int, dtype: torch.dtype, device: torch.device
+        self,
+        model: DeepseekV3ForCausalLM | DeepseekV4ForCausalLM,
+        k: int,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         if not len(model.mtp):
             raise ValueError(
@@ -203,7 +218,7 @@ class MTPProposer(Proposer):
 
     @property
     def kv_shape(self) -> tuple[int, int]:
-        return 1, self.model.config.kv_cache_dim
+        return 1, self.model.config.kv_cache_dim  # type: ignore[union-attr]
 
     @property
     def num_passes(self) -> int:
@@ -248,6 +263,24 @@ class MTPProposer(Proposer):
             ):
                 drafts[b].append(token)
         return drafts, passes
+
+
+class V4MTPProposer(MTPProposer):
+    """DeepSeek-V4's MTP layer drafts (module docstring): `hidden` is the target's final streams
+    [T, N, D], and its cache is allocated with the window pool's block count
+    (`allocate_kv(num_window_blocks, block_size)`), one K=V entry of `head_dim` per token."""
+
+    model: DeepseekV4ForCausalLM
+
+    @property
+    def kv_shape(self) -> tuple[int, int]:
+        return 1, self.model.config.head_dim
+
+    def _dummy_pass(self, batch: ForwardBatch) -> None:
+        raise RuntimeError(
+            "speculative decoding on DeepSeek-V4 does not run under DEP: its MTP proposer has no "
+            "lockstep dummy pass"
+        )
 
 
 class DraftModelProposer(Proposer):

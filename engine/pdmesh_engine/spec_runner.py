@@ -11,6 +11,19 @@ it), so a verify row computes exactly what a plain decode of that token at that 
 and greedy output equals speculation off. Logits come from every verify row; a chunk (prefill or
 recomputation) is one row group and samples at its last row only, as `execute` does.
 
+Rejected drafts are not rewound: the state their rows wrote is recomputed before anything reads
+it. Every piece of per-step state is indexed by position: V3's KV, and DeepSeek-V4's window K=V
+entries, compressor rows and compressed entries (CSA's KV and indexer keys, HCA's KV; an entry is
+pooled, from the rows of its window, by the row at the window's last position, and is visible only
+to queries at or past that position). A query at position p reads only state of positions <= p,
+each layer writes all of a step's state before any row reads it, and the next step starts at the
+first unverified position, so a position at or past the first rejected draft is computed again,
+with the right token, in the step that next reaches it, ahead of any row that reads it: an entry a
+rejected draft closed is pooled again by the row that closes its window next, from rows rewritten
+by then. Committing only accepted positions would need a second pass or a snapshot of the open
+windows per step; recomputation costs nothing beyond the verify forward itself. Only verified
+positions are hashed for prefix caching, so a cached block never holds a rejected draft's state.
+
 Filters (bans, temperature, min-p, top-k, top-p) are applied to the target's distributions p and to
 the draft's distributions q alike; q of a sampled (non-greedy) request's drafts is kept here, by
 request id, until its next step verifies them, and dropped when the request ends.
@@ -22,6 +35,7 @@ Legend: T tokens of the step, R logit rows, V vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,6 +44,8 @@ import torch
 from pdmesh_engine.config import EngineConfig
 from pdmesh_engine.forward_batch import ForwardBatch
 from pdmesh_engine.model.deepseek_v3.model import DeepseekV3ForCausalLM
+from pdmesh_engine.model.deepseek_v4.kv import V4Cache
+from pdmesh_engine.model.deepseek_v4.model import DeepseekV4ForCausalLM
 from pdmesh_engine.model.moe import ExpertLoadRecorder
 from pdmesh_engine.request import Request
 from pdmesh_engine.sampler import Sampler, banned_argmax, filtered_probs, with_logprobs
@@ -43,10 +59,11 @@ class TargetRunner(Protocol):
 
     config: EngineConfig
     device: torch.device
-    model: DeepseekV3ForCausalLM
-    kv_caches: torch.Tensor  # the paged pool (speculation runs on V3 today)
+    model: DeepseekV3ForCausalLM | DeepseekV4ForCausalLM
+    kv_caches: torch.Tensor | V4Cache  # V3's paged pool, V4's pools
     expert_load: ExpertLoadRecorder | None
     sampler: Sampler
+    window_tables: Callable[[str], list[int]] | None  # V4: a request's window table
 
     def generator_for(self, request: Request) -> torch.Generator | None: ...
 
@@ -94,7 +111,7 @@ class SpecDecoder:
     ) -> dict[str, SpecTokens]:
         runner = self.runner
         items, batch = self._build(output.scheduled, requests)
-        hidden = runner.model(batch, runner.kv_caches, runner.expert_load)  # [T, D]
+        hidden, states = self._forward(batch)
         if runner.expert_load is not None:
             runner.expert_load.end_step()
         sampling = [item for item in items if item.scheduled.needs_sample]
@@ -109,7 +126,7 @@ class SpecDecoder:
                 logits, [sampling[b] for b in seq_indices], seq_indices, j, emitted, q_rows
             )
 
-        drafts = self.proposer.propose(batch, hidden, next_ids, seqs, choose)
+        drafts = self.proposer.propose(batch, states, next_ids, seqs, choose)
         result: dict[str, SpecTokens] = {}
         for item, verdict, item_drafts, rows in zip(
             sampling, verdicts, drafts, q_rows, strict=True
@@ -124,6 +141,17 @@ class SpecDecoder:
             )
         return result
 
+    def _forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's forward: (hidden [T, D], what the proposer reads of it): V3 the hidden
+        states both; V4 its final residual streams [T, N, D] (the MTP layer's input)."""
+        runner, model = self.runner, self.runner.model
+        if isinstance(model, DeepseekV4ForCausalLM):
+            assert isinstance(runner.kv_caches, V4Cache)
+            streams = model.forward_streams(batch, runner.kv_caches, runner.expert_load)
+            return model.final_hidden(streams), streams
+        hidden = model(batch, runner.kv_caches, runner.expert_load)
+        return hidden, hidden
+
     def _build(
         self, scheduled: list[ScheduledRequest], requests: dict[str, Request]
     ) -> tuple[list[_Item], ForwardBatch]:
@@ -133,6 +161,8 @@ class SpecDecoder:
         token_ids: list[list[int]] = []
         starts: list[int] = []
         blocks: list[list[int]] = []
+        windows: list[list[int]] = []
+        tables = self.runner.window_tables
         items: list[_Item] = []
         for s in singles:
             items.append(_Item(s, requests[s.request_id], len(starts)))
@@ -140,12 +170,16 @@ class SpecDecoder:
                 token_ids.append([token])
                 starts.append(s.start_position + i)
                 blocks.append(s.block_ids)
+                if tables is not None:
+                    windows.append(tables(s.request_id))
         row = len(starts)
         for s in chunks:
             items.append(_Item(s, requests[s.request_id], row))
             token_ids.append(s.token_ids)
             starts.append(s.start_position)
             blocks.append(s.block_ids)
+            if tables is not None:
+                windows.append(tables(s.request_id))
             row += len(s.token_ids)
         batch = ForwardBatch.build(
             token_ids,
@@ -154,6 +188,7 @@ class SpecDecoder:
             self.runner.config.block_size,
             [False] * len(starts),
             self.runner.device,
+            windows if tables is not None else None,
         )
         return items, batch
 
@@ -280,16 +315,17 @@ class SpecDecoder:
             next_ids.extend(shifted)
         return torch.tensor(next_ids, device=self.runner.device)
 
-    @staticmethod
-    def _propose_seq(item: _Item, verdict: _Verdict) -> ProposeSeq:
+    def _propose_seq(self, item: _Item, verdict: _Verdict) -> ProposeSeq:
         s = item.scheduled
         last = len(s.token_ids) - 1 - item.num_drafts + verdict.num_accepted  # last verified input
+        tables = self.runner.window_tables
         return ProposeSeq(
             item.first_row + last,
             verdict.tokens[-1].token_id,
             s.start_position + last + 1,
             s.block_ids,
             s.start_position + len(s.token_ids) - 1 + s.num_lookahead_tokens,
+            tables(s.request_id) if tables is not None else None,
         )
 
     def _choose(

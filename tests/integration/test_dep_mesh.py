@@ -1,11 +1,13 @@
 """Wide-EP meshes end to end: DEP instances (`--prefill-dep`, `--decode-dep`) started by `pdmesh
 up`'s launcher.
 
-Two meshes, one at a time: prefill DEP2 + decode DEP2 with 2 redundant expert slots, and prefill
-DEP1 + decode DEP4 (a prefill rank pushes into decode ranks of another DEP size). Each rank is its
-own routable endpoint. Concurrent greedy requests equal the offline engine; `/mesh` lists every rank
-with rank and dp_size; afterwards every rank's pool is empty and intact; the gateway spread the
-requests over several decode ranks; each rank holds its share of the routed experts' weights.
+Three meshes, one at a time: prefill DEP2 + decode DEP2 with 2 redundant expert slots, prefill
+DEP1 + decode DEP4 (a prefill rank pushes into decode ranks of another DEP size), and the first on
+DeepSeek-V4 (its hash and top-k MoE layers over the ranks, each rank's own hybrid KV). Each rank
+is its own routable endpoint. Concurrent greedy requests equal the offline engine; `/mesh` lists
+every rank with rank and dp_size; afterwards every rank's pool is empty and intact; the gateway
+spread the requests over several decode ranks; each rank holds its share of the routed experts'
+weights.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from meshlib import WORKER_ARGS, http_url, wait_idle
+from meshlib import V4_WORKER_ARGS, WORKER_ARGS, block_size_of, http_url, wait_idle
 from openai import OpenAI
 
 from pdmesh.launcher import Mesh, MeshOptions
@@ -33,16 +35,21 @@ PROMPTS = [
     "import numpy as np",
 ]
 MAX_TOKENS = 12
-# name -> (prefill ranks, decode ranks, redundant expert slots)
-MESHES = {"prefill2-decode2": (2, 2, 2), "prefill1-decode4": (1, 4, 0)}
+# name -> (architecture, prefill ranks, decode ranks, redundant expert slots)
+MESHES = {
+    "prefill2-decode2": ("v3", 2, 2, 2),
+    "prefill1-decode4": ("v3", 1, 4, 0),
+    "v4-prefill2-decode2": ("v4", 2, 2, 2),
+}
 
 
 @pytest.fixture(scope="module")
-def offline(tiny_model: Path) -> dict:
-    """Greedy completions of PROMPTS and the routed experts' weight bytes of the plain engine."""
+def offline(dep_mesh: Mesh) -> dict:
+    """Greedy completions of PROMPTS and the routed experts' weight bytes of the plain engine on
+    the mesh's checkpoint."""
     from pdmesh_engine import LLM, SamplingParams
 
-    llm = LLM(tiny_model, num_blocks=256, block_size=8)
+    llm = LLM(dep_mesh.options.model_dir, num_blocks=256, block_size=block_size_of(dep_mesh))
     outs = llm.generate(
         PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     )
@@ -54,10 +61,10 @@ def offline(tiny_model: Path) -> dict:
 
 
 @pytest.fixture(scope="module", params=list(MESHES))
-def dep_mesh(request, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
-    prefill_dep, decode_dep, redundant = MESHES[request.param]
+def dep_mesh(request, tmp_path_factory: pytest.TempPathFactory):
+    arch, prefill_dep, decode_dep, redundant = MESHES[request.param]
     options = MeshOptions(
-        model_dir=tiny_model,
+        model_dir=request.getfixturevalue("tiny_model" if arch == "v3" else "tiny_v4"),
         num_prefill=1,
         num_decode=1,
         mode="disagg",
@@ -65,7 +72,7 @@ def dep_mesh(request, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
         grpc_port=free_port(),
         deployment=f"test-{request.param}",
         log_dir=tmp_path_factory.mktemp(f"logs-{request.param}"),
-        worker_args=WORKER_ARGS,
+        worker_args=WORKER_ARGS if arch == "v3" else V4_WORKER_ARGS,
         prefill_dep=prefill_dep,
         decode_dep=decode_dep,
         num_redundant_experts=redundant,

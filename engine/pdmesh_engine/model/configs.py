@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pdmesh_engine.config import CheckpointError, ModelConfig, read_json
+from pdmesh_engine.config import ModelConfig, read_json
 from pdmesh_engine.model.deepseek_v4.config import V4Config
 
 
@@ -27,12 +27,9 @@ def read_model_config(model_dir: str | Path) -> ModelConfig | V4Config:
     return V4Config.from_dict(raw) if is_v4(raw) else ModelConfig.from_dict(raw)
 
 
-def check_mesh_model(model_dir: str | Path, dep: int = 1) -> None:
-    """CheckpointError unless the mesh serves the checkpoint's architecture with `dep` ranks per
-    instance (read from config.json; a directory without one is left to the loader's errors)."""
-    path = Path(model_dir) / "config.json"
-    if dep > 1 and path.is_file() and is_v4(read_json(path)):
-        raise CheckpointError(
-            f"{model_dir}: DeepSeek-V4 does not run under DEP yet (data-parallel attention with "
-            "expert parallelism); serve it with one rank per instance (no --dep)"
-        )
+def check_mesh_model(model_dir: str | Path) -> None:
+    """CheckpointError unless the mesh serves the checkpoint: its config.json parses as its
+    family's (DeepSeek-V3 and V4 both run with one rank or under DEP), checked before any process
+    starts. A directory without one is left to the loader's errors."""
+    if (Path(model_dir) / "config.json").is_file():
+        read_model_config(model_dir)

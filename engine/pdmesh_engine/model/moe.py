@@ -137,8 +137,10 @@ class ExpertDispatcher(ABC):
         slot_ids: torch.Tensor,
         w13: torch.Tensor,
         w2: torch.Tensor,
+        swiglu_limit: float | None = None,
     ) -> torch.Tensor:
-        """x [T, D], weights [T, K], slot_ids [T, K] (global slots) -> [T, D] weighted sum."""
+        """x [T, D], weights [T, K], slot_ids [T, K] (global slots) -> [T, D] weighted sum.
+        `swiglu_limit`: the experts' SwiGLU clamp (DeepSeek-V4; `experts.swiglu`)."""
 
 
 class LocalDispatcher(ExpertDispatcher):
@@ -151,8 +153,9 @@ class LocalDispatcher(ExpertDispatcher):
         slot_ids: torch.Tensor,
         w13: torch.Tensor,
         w2: torch.Tensor,
+        swiglu_limit: float | None = None,
     ) -> torch.Tensor:
-        return routed_experts(x, weights, slot_ids, w13, w2)
+        return routed_experts(x, weights, slot_ids, w13, w2, swiglu_limit)
 
 
 class ExpertLoadRecorder:
@@ -225,8 +228,11 @@ class ExpertLoadRecorder:
 EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")  # one expert's checkpoint tensors
 
 
-class MoE(nn.Module):
-    """Routed experts (on this process's slots) plus always-on shared experts.
+class PlacedExperts(nn.Module):
+    """One MoE layer's routed experts on this process's physical slots: their weights, the
+    placement that maps logical experts to slots, and the dispatcher that runs them. What the MoE
+    layers of DeepSeek-V3 (`MoE`) and V4 (`deepseek_v4.blocks.MoE`) share; placement switches
+    (pdmesh_engine.parallel.placement) work on it.
 
     `moe_index`: this layer's index among the model's MoE layers (its row in an
     `ExpertLoadRecorder`).
@@ -234,41 +240,21 @@ class MoE(nn.Module):
 
     def __init__(
         self,
-        config: ModelConfig,
+        hidden: int,
+        width: int,
         placement: ExpertPlacement,
         dispatcher: ExpertDispatcher,
         local_slots: range,
         moe_index: int,
     ) -> None:
         super().__init__()
-        width = config.moe_intermediate_size
-        self.gate = Router(config)
-        self.shared_experts = (
-            DenseMLP(config.hidden_size, width * config.n_shared_experts)
-            if config.n_shared_experts
-            else None
-        )
         # [P_local, 2I, D]
-        self.w13 = nn.Parameter(torch.zeros(len(local_slots), 2 * width, config.hidden_size))
+        self.w13 = nn.Parameter(torch.zeros(len(local_slots), 2 * width, hidden))
         # [P_local, D, I]
-        self.w2 = nn.Parameter(torch.zeros(len(local_slots), config.hidden_size, width))
+        self.w2 = nn.Parameter(torch.zeros(len(local_slots), hidden, width))
         self.dispatcher, self.local_slots, self.moe_index = dispatcher, local_slots, moe_index
         self.placement = placement
         self._slot_experts: list[int] = placement.physical_to_logical.tolist()
-
-    def forward(
-        self, x: torch.Tensor, expert_load: ExpertLoadRecorder | None = None
-    ) -> torch.Tensor:
-        """x [T, D] -> [T, D]; with `expert_load`, the tokens routed to each slot are recorded
-        there."""
-        weights, expert_ids = self.gate(x)
-        slot_ids = self.placement.choose_slots(expert_ids)
-        if expert_load is not None:
-            expert_load.record(self.moe_index, slot_ids)
-        out = self.dispatcher(x, weights, slot_ids, self.w13, self.w2)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
 
     def use_row_tables(self) -> None:
         """Store w13/w2 in the row-table layout of the CPU expert path (`experts.to_row_tables`):
@@ -298,6 +284,42 @@ class MoE(nn.Module):
     def write_slot(self, local: int, part: str, tensor: torch.Tensor) -> None:
         """Copy one checkpoint tensor into local slot `local` (see `write_expert_part`)."""
         write_expert_part(self.w13.data, self.w2.data, local, part, tensor)
+
+
+class MoE(PlacedExperts):
+    """DeepSeek-V3's MoE layer: routed experts (on this process's slots) plus always-on shared
+    experts."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        placement: ExpertPlacement,
+        dispatcher: ExpertDispatcher,
+        local_slots: range,
+        moe_index: int,
+    ) -> None:
+        width = config.moe_intermediate_size
+        super().__init__(config.hidden_size, width, placement, dispatcher, local_slots, moe_index)
+        self.gate = Router(config)
+        self.shared_experts = (
+            DenseMLP(config.hidden_size, width * config.n_shared_experts)
+            if config.n_shared_experts
+            else None
+        )
+
+    def forward(
+        self, x: torch.Tensor, expert_load: ExpertLoadRecorder | None = None
+    ) -> torch.Tensor:
+        """x [T, D] -> [T, D]; with `expert_load`, the tokens routed to each slot are recorded
+        there."""
+        weights, expert_ids = self.gate(x)
+        slot_ids = self.placement.choose_slots(expert_ids)
+        if expert_load is not None:
+            expert_load.record(self.moe_index, slot_ids)
+        out = self.dispatcher(x, weights, slot_ids, self.w13, self.w2)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
 
 
 @torch.no_grad()

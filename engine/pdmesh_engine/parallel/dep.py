@@ -58,6 +58,7 @@ import torch.distributed as dist
 
 from pdmesh_engine.config import ModelConfig
 from pdmesh_engine.forward_batch import ForwardBatch
+from pdmesh_engine.model.deepseek_v4.config import V4Config
 from pdmesh_engine.model.moe import ExpertDispatcher, ExpertPlacement
 from pdmesh_engine.parallel.allreduce import DP_SYNC_IMPLS, DPSync, make_dp_sync
 from pdmesh_engine.parallel.dispatch import DISPATCHERS, DispatchStats, make_dispatcher
@@ -157,10 +158,11 @@ class DEPContext:
         return getattr(self.dispatcher, "stats", None)
 
     def model_kwargs(
-        self, model_config: ModelConfig, num_redundant: int | None = None
+        self, model_config: ModelConfig | V4Config, num_redundant: int | None = None
     ) -> dict[str, Any]:
-        """Keyword arguments of `DeepseekV3ForCausalLM`: the initial placement, this rank's slots,
-        the dispatcher. `num_redundant`: redundant slots per MoE layer (default: the config's)."""
+        """Keyword arguments of `DeepseekV3ForCausalLM` / `DeepseekV4ForCausalLM`: the initial
+        placement, this rank's slots (per MoE layer), the dispatcher. `num_redundant`: redundant
+        slots per MoE layer (default: the config's)."""
         num_moe = len(model_config.moe_layer_ids)
         experts = model_config.n_routed_experts
         redundant = self.config.num_redundant_experts if num_redundant is None else num_redundant
@@ -273,10 +275,18 @@ def shutdown_dep() -> None:
 
 @torch.inference_mode()
 def dummy_forward(runner: ModelRunner, scratch_block: int) -> None:
-    """One token at position 0 into `scratch_block`: joins the MoE collectives, records no expert
-    load; a speculating runner's proposer then runs its dummy passes (module docstring)."""
+    """One token at position 0 into `scratch_block` (and, for a windowed KV, its per-token rows
+    into the window pool's `runner.scratch_window_block`): joins the MoE collectives, records no
+    expert load; a speculating runner's proposer then runs its dummy passes (module docstring)."""
+    window = runner.scratch_window_block
     batch = ForwardBatch.build(
-        [[0]], [0], [[scratch_block]], runner.config.block_size, [False], runner.device
+        [[0]],
+        [0],
+        [[scratch_block]],
+        runner.config.block_size,
+        [False],
+        runner.device,
+        [[window]] if window is not None else None,
     )
     # the dummy token is not load: EPLB must not see it
     runner.model(batch, runner.kv_caches, expert_load=None)

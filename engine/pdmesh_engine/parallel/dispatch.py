@@ -90,17 +90,21 @@ def plan_rows(
 
 
 def run_local_experts(
-    received: torch.Tensor, meta: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+    received: torch.Tensor,
+    meta: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """received [R, D], meta [R, 2K] -> partial [R, D] fp32: each row's weighted sum over its local
-    slots."""
+    slots (their SwiGLU clamped at `swiglu_limit` when set)."""
     top_k = meta.shape[1] // 2
     local = meta[:, :top_k]
     weights = meta[:, top_k:].to(torch.int32).view(torch.float32)  # [R, K]
     row, k = (local >= 0).nonzero(as_tuple=True)  # [N] pairs
     slots, order = torch.sort(local[row, k], stable=True)
     row_sorted = row[order]
-    expert_out = expert_rows(received[row_sorted], slots, w13, w2)  # [N, D]
+    expert_out = expert_rows(received[row_sorted], slots, w13, w2, swiglu_limit)  # [N, D]
     weighted = expert_out.float() * weights[row, k][order][:, None]
     partial = torch.zeros(
         received.shape[0], received.shape[1], dtype=torch.float32, device=received.device
@@ -142,6 +146,7 @@ class AllToAllDispatcher(ExpertDispatcher):
         slot_ids: torch.Tensor,
         w13: torch.Tensor,
         w2: torch.Tensor,
+        swiglu_limit: float | None = None,
     ) -> torch.Tensor:
         start = time.perf_counter()
         plan = plan_rows(weights, slot_ids.long(), w13.shape[0], self.world)
@@ -151,7 +156,7 @@ class AllToAllDispatcher(ExpertDispatcher):
         received = _exchange(x[plan.token_of_row], sends, recvs, self.group)  # [R, D]
         meta = _exchange(plan.meta, sends, recvs, self.group)  # [R, 2K]
         dispatched = time.perf_counter()
-        partial = run_local_experts(received, meta, w13, w2)  # [R, D] fp32
+        partial = run_local_experts(received, meta, w13, w2, swiglu_limit)  # [R, D] fp32
         computed = time.perf_counter()
         back = _exchange(partial, recvs, sends, self.group)  # [S, D] fp32
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)

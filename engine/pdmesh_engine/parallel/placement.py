@@ -29,6 +29,10 @@ switched in); it publishes its result under the lock unless a newer request canc
 request cancels the running job, whose thread the new job joins before it starts (at most one
 expert's read later).
 
+A model may say which of its layers are placed and how its checkpoint names an expert's tensors:
+DeepSeek-V4's `placed_moe_layers()` (its decoder layers, `ffn`) and `expert_source(tensors)` (any
+of its checkpoint layouts, dequantised); V3's are the functions here (`mlp` layers, V3's names).
+
 Legend: P_local slots on this rank, I expert width, D hidden, L target MoE layers, P physical slots.
 """
 
@@ -54,10 +58,13 @@ from pdmesh_engine.model.moe import (
     ExpertLoadRecorder,
     ExpertPlacement,
     MoE,
+    PlacedExperts,
     write_expert_part,
 )
 
 TensorSource = Callable[[str], torch.Tensor]  # checkpoint tensor name -> tensor
+# (checkpoint layer, logical expert, part) -> one expert's checkpoint tensor
+ExpertSource = Callable[[int, int, str], torch.Tensor]
 STAGING_NICE = 10  # the staging thread's CPU priority offset (Linux threads)
 
 
@@ -65,10 +72,25 @@ def expert_tensor_name(checkpoint_layer: int, logical: int, part: str) -> str:
     return f"model.layers.{checkpoint_layer}.mlp.experts.{logical}.{part}.weight"
 
 
-def moe_layers_by_checkpoint_index(model: DeepseekV3ForCausalLM) -> list[tuple[int, MoE]]:
-    """(checkpoint layer index, MoE) for the decoder's MoE layers, then the MTP layers' (index L +
-    j)."""
-    out = [(i, layer.mlp) for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoE)]
+def target_moe_layers(model: Any) -> list[tuple[int, PlacedExperts]]:
+    """(checkpoint layer index, MoE) for the decoder's MoE layers (what a `PlacementStager`
+    places): a model's own `placed_moe_layers()` where it has one (DeepSeek-V4), else V3's `mlp`
+    layers."""
+    if hasattr(model, "placed_moe_layers"):
+        layers: list[tuple[int, PlacedExperts]] = model.placed_moe_layers()
+        return layers
+    return [
+        (i, layer.mlp)
+        for i, layer in enumerate(model.layers)
+        if isinstance(getattr(layer, "mlp", None), MoE)
+    ]
+
+
+def moe_layers_by_checkpoint_index(model: Any) -> list[tuple[int, PlacedExperts]]:
+    """`target_moe_layers`, then V3's MTP layers' (index L + j; V4's MTP layer is not placed)."""
+    out = target_moe_layers(model)
+    if hasattr(model, "placed_moe_layers"):
+        return out
     base = model.config.num_hidden_layers
     out += [
         (base + j, mtp.block.mlp)
@@ -84,6 +106,7 @@ class CheckpointTensors:
     of the page cache."""
 
     def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
         self.files = tensor_names(model_dir)
         self._handles: dict[Path, Any] = {}
         self._lock = threading.Lock()
@@ -104,13 +127,20 @@ class CheckpointTensors:
             raise CheckpointError(f"{file}: cannot read {name!r} ({e})") from e
 
 
+def expert_source(model: Any, load_tensor: TensorSource) -> ExpertSource:
+    """How `model`'s experts are read through `load_tensor`: the model's own `expert_source` where
+    it has one (DeepSeek-V4, over a `CheckpointTensors`), else by V3's tensor names."""
+    if hasattr(model, "expert_source"):
+        source: ExpertSource = model.expert_source(load_tensor)
+        return source
+    return lambda layer, logical, part: load_tensor(expert_tensor_name(layer, logical, part))
+
+
 def _write_slot(
-    moe: MoE, local: int, checkpoint_layer: int, logical: int, load_tensor: TensorSource
+    moe: PlacedExperts, local: int, checkpoint_layer: int, logical: int, source: ExpertSource
 ) -> None:
     for part in EXPERT_PARTS:
-        moe.write_slot(
-            local, part, load_tensor(expert_tensor_name(checkpoint_layer, logical, part))
-        )
+        moe.write_slot(local, part, source(checkpoint_layer, logical, part))
 
 
 def apply_placement(
@@ -126,6 +156,7 @@ def apply_placement(
         raise ValueError(
             f"need one placement per MoE layer ({num_decoder}), got {len(new_placements)}"
         )
+    source = expert_source(model, load_tensor)
     reloaded = 0
     for index, (checkpoint_layer, moe) in enumerate(layers):
         placement = new_placements[min(index, num_decoder - 1)]
@@ -138,9 +169,7 @@ def apply_placement(
         new = placement.physical_to_logical.tolist()
         for slot in moe.local_slots:
             if old[slot] != new[slot]:
-                _write_slot(
-                    moe, slot - moe.local_slots.start, checkpoint_layer, new[slot], load_tensor
-                )
+                _write_slot(moe, slot - moe.local_slots.start, checkpoint_layer, new[slot], source)
                 reloaded += 1
         moe.set_placement(placement)
     return reloaded
@@ -163,7 +192,7 @@ class StagedLayer:
     """One target layer's staged change: the local slots whose expert changes and their new
     weights."""
 
-    moe: MoE
+    moe: PlacedExperts
     local_ids: torch.Tensor  # [C] int64, indices into w13/w2 (on the weights' device)
     w13: torch.Tensor  # [C, 2I, D]
     w2: torch.Tensor  # [C, D, I]
@@ -210,12 +239,8 @@ class PlacementStager:
         load_tensor: TensorSource,
         expert_load: ExpertLoadRecorder | None = None,
     ) -> None:
-        self.layers = [
-            (i, layer.mlp)
-            for i, layer in enumerate(model.layers)
-            if isinstance(getattr(layer, "mlp", None), MoE)
-        ]
-        self.load_tensor, self.expert_load = load_tensor, expert_load
+        self.layers = target_moe_layers(model)
+        self.expert_source, self.expert_load = expert_source(model, load_tensor), expert_load
         self.running_version = 0
         self.last_stats: StagingStats | None = None  # of the last version that finished staging
         self.last_error = ""  # why the last staging run failed ("" if it did not)
@@ -352,7 +377,11 @@ class PlacementStager:
         return StagedPlacement(job.version, tuple(job.placements), tuple(layers), stats)
 
     def _stage_layer(
-        self, checkpoint_layer: int, moe: MoE, placement: ExpertPlacement, counts: list[int]
+        self,
+        checkpoint_layer: int,
+        moe: PlacedExperts,
+        placement: ExpertPlacement,
+        counts: list[int],
     ) -> StagedLayer | None:
         """Buffers for the local slots of `moe` whose expert changes; None if none does."""
         old, new = moe.slot_experts, placement.physical_to_logical.tolist()
@@ -378,7 +407,7 @@ class PlacementStager:
                 counts[0] += 1
             else:
                 for part in EXPERT_PARTS:
-                    tensor = self.load_tensor(expert_tensor_name(checkpoint_layer, new[slot], part))
+                    tensor = self.expert_source(checkpoint_layer, new[slot], part)
                     write_expert_part(w13, w2, index, part, tensor)
                 counts[1] += 1
                 in_memory[new[slot]] = (w13, w2, index)

@@ -14,7 +14,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdmesh_engine.model.deepseek_v4.config import HASH_MOE, RopeSpec, V4Config
-from pdmesh_engine.model.experts import routed_experts, swiglu
+from pdmesh_engine.model.experts import swiglu
+from pdmesh_engine.model.moe import (
+    ExpertDispatcher,
+    ExpertLoadRecorder,
+    ExpertPlacement,
+    LocalDispatcher,
+    PlacedExperts,
+)
 from pdmesh_engine.model.rope import rope_inv_freq
 
 
@@ -194,20 +201,56 @@ class Router(nn.Module):
         return weights * self.scaling, ids
 
 
-class MoE(nn.Module):
-    """Routed experts (w13 [E, 2I, D] = gate; up, w2 [E, D, I]) plus the shared expert."""
+class MoE(PlacedExperts):
+    """Routed experts on this process's physical slots (w13 [P_local, 2I, D] = gate; up, w2
+    [P_local, D, I]) plus the shared expert. As V3's (pdmesh_engine.model.moe): an
+    `ExpertPlacement` maps the router's logical experts to slots and an `ExpertDispatcher` runs
+    them (in this process, or the DEP all-to-all); by default every slot is here and slot e holds
+    expert e. A hash layer's experts are ordinary experts whose choice the token id fixes, so each
+    DEP rank routes its own tokens by their ids."""
 
-    def __init__(self, config: V4Config, layer_id: int) -> None:
-        super().__init__()
-        width, hidden, e = config.moe_intermediate_size, config.hidden_size, config.n_routed_experts
+    def __init__(
+        self,
+        config: V4Config,
+        layer_id: int,
+        placement: ExpertPlacement | None = None,
+        dispatcher: ExpertDispatcher | None = None,
+        local_slots: range | None = None,
+    ) -> None:
+        width, hidden = config.moe_intermediate_size, config.hidden_size
+        if placement is None:
+            placement = ExpertPlacement.initial(config.n_routed_experts)
+        super().__init__(
+            hidden,
+            width,
+            placement,
+            dispatcher or LocalDispatcher(),
+            range(placement.num_physical) if local_slots is None else local_slots,
+            layer_id,  # every V4 layer is an MoE layer
+        )
         self.gate = Router(config, config.mlp_layer_types[layer_id] == HASH_MOE)
-        self.w13 = nn.Parameter(torch.zeros(e, 2 * width, hidden))
-        self.w2 = nn.Parameter(torch.zeros(e, hidden, width))
         self.shared_experts = SharedExpert(hidden, width, config.swiglu_limit)
         self.limit = config.swiglu_limit
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        input_ids: torch.Tensor,
+        expert_load: ExpertLoadRecorder | None = None,
+    ) -> torch.Tensor:
+        """x [T, D] (the collapsed mHC state, normed), input_ids [T] -> [T, D]; with
+        `expert_load`, the tokens routed to each slot are recorded there."""
         weights, ids = self.gate(x, input_ids)
-        return routed_experts(x, weights, ids, self.w13, self.w2, self.limit) + self.shared_experts(
-            x
-        )
+        slot_ids = self.placement.choose_slots(ids)
+        if expert_load is not None:
+            expert_load.record(self.moe_index, slot_ids)
+        routed = self.dispatcher(x, weights, slot_ids, self.w13, self.w2, swiglu_limit=self.limit)
+        return routed + self.shared_experts(x)
+
+    @torch.no_grad()
+    def load_stacked(self, which: str, tensor: torch.Tensor) -> None:
+        """Copy a tensor stacked over every logical expert (transformers' fused w13 [E, 2I, D] or
+        w2 [E, D, I]) into the local slots, each slot its expert's rows."""
+        experts = [self._slot_experts[slot] for slot in self.local_slots]
+        target = self.w13 if which == "w13" else self.w2
+        target.copy_(tensor[torch.tensor(experts, dtype=torch.int64, device=tensor.device)])

@@ -9,7 +9,9 @@
   `mlp.experts.gate_up_proj` fused [E, 2I, D], `attn_hc.fn`, ...).
 
 The model's own names are the release's, with the hyper-connection tensors as submodules
-(`hc_attn.fn`, `hc_head.fn`) and the attention's K=V norm as `attn.norm`.
+(`hc_attn.fn`, `hc_head.fn`) and the attention's K=V norm as `attn.norm`. The MTP layer keeps the
+release's `mtp.K.*` names in every layout (transformers does not hold it; its saves keep the
+tensors as the release names them), mapped the same way (`mtp.0.hc_head.fn`, `mtp.0.attn.norm`).
 """
 
 from __future__ import annotations
@@ -48,13 +50,13 @@ _TRANSFORMERS_ONLY = re.compile(
     r"(\.self_attn\.|\.mlp\.|^embed_tokens\.|^lm_head\.|^hc_head\.hc_|_layernorm\.|_hc\.)"
 )
 _MODEL_NAMES = [  # the release's name -> the model's parameter
-    (re.compile(r"^hc_head_(fn|base|scale)$"), r"hc_head.\1"),
+    (re.compile(r"(^|\.)hc_head_(fn|base|scale)$"), r"\1hc_head.\2"),
     (re.compile(r"\.hc_(attn|ffn)_(fn|base|scale)$"), r".hc_\1.\2"),
     # the attention's K=V norm: `attn.kv_norm` in the release (llama.cpp's converter reads that
     # name), `attn.norm` in transformers' default save layout (its reverse rename)
     (re.compile(r"\.attn\.kv_norm\.weight$"), ".attn.norm.weight"),
 ]
-_EXPERT = re.compile(r"^(layers\.\d+\.ffn)\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+_EXPERT = re.compile(r"^((?:layers|mtp)\.\d+\.ffn)\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
 _FUSED = re.compile(r"^(layers\.\d+\.ffn)\.experts\.(gate_up_proj|down_proj)$")
 _PART = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
@@ -69,11 +71,10 @@ def release_name(name: str) -> str:
     return name
 
 
-def canonical(name: str) -> str | None:
-    """The model's parameter name for a checkpoint tensor; None for tensors it does not hold."""
+def canonical(name: str) -> str:
+    """The model's parameter name for a checkpoint tensor (`mtp.*` included: the model skips the
+    MTP layers it does not hold)."""
     name = release_name(name)
-    if name.startswith("mtp."):
-        return None
     for pattern, repl in _MODEL_NAMES:
         name = pattern.sub(repl, name)
     return name

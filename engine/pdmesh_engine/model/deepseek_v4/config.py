@@ -123,6 +123,12 @@ class V4Config:
         return [i for i, t in enumerate(self.layer_types) if t == layer_type]
 
     @property
+    def moe_layer_ids(self) -> list[int]:
+        """The MoE layers (V3's `ModelConfig` spelling, what DEP's `model_kwargs` reads): every
+        layer, hash or top-k routed."""
+        return list(range(self.num_hidden_layers))
+
+    @property
     def main_rope(self) -> RopeSpec:
         return RopeSpec(
             self.qk_rope_head_dim, self.rope_theta, "default", None, self.max_position_embeddings

@@ -148,7 +148,7 @@ async def run_worker(
     dep: DEPOptions | None = None,
 ) -> None:
     """Serve until cancelled (see the module docstring)."""
-    check_mesh_model(model_dir, dep.size if dep is not None else 1)
+    check_mesh_model(model_dir)
     dep = dep if dep is not None and dep.size > 1 else None
     if dep is not None and not dep.is_rank:
         raise ValueError(
