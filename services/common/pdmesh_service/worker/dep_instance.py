@@ -175,10 +175,10 @@ def rank_common(common: CommonConfig, role: str, dep: DEPOptions) -> CommonConfi
 
 def check_expert_split(model_dir: Path, dep: DEPOptions) -> None:
     """ValueError with what to change when the experts' slots do not split evenly over the ranks."""
-    from pdmesh_engine.config import ModelConfig
+    from pdmesh_engine.model.configs import read_model_config
     from pdmesh_engine.parallel.dep import slots_of_rank
 
-    config = ModelConfig.from_dir(model_dir)
+    config = read_model_config(model_dir)
     if config.moe_layer_ids:
         slots_of_rank(config.n_routed_experts, dep.num_redundant_experts, dep.size, 0)
 
