@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from meshlib import V4_WORKER_ARGS, http_url, start_mesh, wait_idle, worker_status
+from meshlib import V4_WORKER_ARGS, http_url, start_mesh, wait_idle, worker_args, worker_status
 from openai import OpenAI
 
 BLOCK_SIZE = 16  # meshlib.V4_WORKER_ARGS
@@ -135,3 +135,53 @@ def test_the_aggregated_mode_matches_the_offline_engine(
         _assert_no_leaks(mesh)
     finally:
         mesh.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_v4_mtp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny V4 in the release format: FP8 dense weights, MXFP4 experts and the `mtp.0.*` layer."""
+    from pdmesh.tools.model_init import init_model
+
+    root = tmp_path_factory.mktemp("v4-mtp")
+    return init_model(
+        root / "tiny-v4-mtp", "tiny", seed=5, arch="deepseek_v4", format="official", verbose=False
+    )
+
+
+def test_mtp_speculation_through_the_mesh_matches_the_offline_engine(
+    tiny_v4_mtp: Path, tmp_path: Path
+) -> None:
+    """Prefill and decode ranks both speculate with the MTP layer: the hand-off carries its window
+    KV (group `draft`, on the window table) in the same WRITE, and greedy output equals the
+    offline engine without speculation."""
+    from pdmesh_engine import LLM, SamplingParams
+
+    block_size = 128  # the release-format preset compresses HCA layers 128 to 1
+    llm = LLM(tiny_v4_mtp, dtype="float32", num_blocks=160, block_size=block_size)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    expected = {p: o.text for p, o in zip(PROMPTS, llm.generate(PROMPTS, params), strict=True)}
+    spec = ("--speculative-method", "mtp", "--num-speculative-tokens", "2")
+    mesh = start_mesh(
+        tiny_v4_mtp,
+        tmp_path / "logs",
+        "test-v4-mtp",
+        mode="disagg",
+        worker_args=(*worker_args(block_size), "--dtype", "float32", *spec),
+    )
+    try:
+        for prompt in PROMPTS[1:]:
+            out = _complete(mesh, prompt)
+            assert out.choices[0].text == expected[prompt], prompt
+            assert out.usage.prompt_tokens_details.prefill_path == "disagg"
+        assert _draft_bytes_received(mesh) > 0
+        _assert_no_leaks(mesh)
+    finally:
+        mesh.stop()
+
+
+def _draft_bytes_received(mesh) -> float:
+    """The decode rank's `pdmesh_kv_received_draft_bytes_total` (the proposer's KV it received)."""
+    [spec] = [s for s in mesh.specs if s.name == "decode-0"]
+    text = httpx.get(f"http://{mesh.options.host}:{spec.metrics_port}/metrics", timeout=10).text
+    family = "pdmesh_kv_received_draft_bytes_total{"
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(family))
