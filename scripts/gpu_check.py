@@ -1,5 +1,6 @@
 """The checks that need a CUDA GPU (CI has none): the Triton kernels against their torch
-references, and the engine's CUDA decode path (CUDA graphs on and off) against the CPU engine.
+references, the engine's CUDA decode path (CUDA graphs on and off) against the CPU engine, and
+DeepSeek-V4's MTP speculative decoding on CUDA against the CPU engine without it.
 
     PYTHONPATH=engine:kernels:protos:. python scripts/gpu_check.py --out DIR
 
@@ -176,6 +177,51 @@ def engine_cases(root: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def spec_cases(root: Path) -> list[dict[str, Any]]:
+    """MTP speculative decoding on the CUDA engine: a tiny V4 in the release format (its `mtp.0.*`
+    layer drafts K tokens) gives the greedy tokens of the CPU engine without speculation."""
+    from pdmesh.tools.model_init import init_model
+    from pdmesh_engine import EngineConfig, EngineCore, SamplingParams
+
+    model = init_model(
+        root / "v4-mtp", "tiny", seed=5, arch="deepseek_v4", format="official", verbose=False
+    )
+    prompts = [
+        torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        for n in (5, 60, 300, 9)
+    ]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+    def generate(config: EngineConfig) -> tuple[list[list[int]], float]:
+        engine = EngineCore(model, config)
+        ids = [engine.add_request(p, params) for p in prompts]
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        start = time.perf_counter()
+        while engine.has_unfinished:
+            for out in engine.step():
+                tokens[out.request_id].extend(out.new_token_ids)
+        return [tokens[i] for i in ids], time.perf_counter() - start
+
+    expected, _ = generate(EngineConfig(dtype="float32", device="cpu"))
+    rows = []
+    for k in (1, 3):
+        config = EngineConfig(
+            dtype="float32", device="cuda", speculative_method="mtp", num_speculative_tokens=k
+        )
+        got, seconds = generate(config)
+        same = sum(a == b for a, b in zip(got, expected, strict=True))
+        rows.append(
+            {
+                "engine": "deepseek_v4 mtp",
+                "path": f"cuda K={k}",
+                "prompts_equal_to_cpu_without_speculation": f"{same}/{len(prompts)}",
+                "ok": same == len(prompts),
+                "seconds": seconds,
+            }
+        )
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("."))
@@ -197,10 +243,11 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001 (a failed part is reported, the others still run)
             checks.append({"part": part.__name__, "ok": False, "error": repr(e)})
     with tempfile.TemporaryDirectory() as tmp:
-        try:
-            checks += engine_cases(Path(tmp))
-        except Exception as e:  # noqa: BLE001 (reported like a failed check)
-            checks.append({"part": "engine_cases", "ok": False, "error": repr(e)})
+        for engine_part in (engine_cases, spec_cases):
+            try:
+                checks += engine_part(Path(tmp))
+            except Exception as e:  # noqa: BLE001 (reported like a failed check)
+                checks.append({"part": engine_part.__name__, "ok": False, "error": repr(e)})
     report["checks"] = checks
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
