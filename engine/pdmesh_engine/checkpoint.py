@@ -35,10 +35,12 @@ _GENERATION_KEYS = (
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # torch_dtype name -> torch.dtype
 # The embedded trained checkpoints (`pdmesh model train`; their cards say how they were made).
 EMBEDDED_DIR = Path(__file__).parent / "checkpoints"
+DEFAULT_MODEL = "coder-v4"
 
 
-def embedded_model_dir(name: str = "coder") -> Path:
-    """An embedded checkpoint: "coder", the default model, or "coder-draft", its draft model."""
+def embedded_model_dir(name: str = DEFAULT_MODEL) -> Path:
+    """An embedded checkpoint: "coder-v4" (DeepSeek-V4), the default model; "coder" (DeepSeek-V3)
+    or "coder-draft", coder's draft model."""
     path = EMBEDDED_DIR / name
     if not (path / "config.json").is_file():
         raise CheckpointError(

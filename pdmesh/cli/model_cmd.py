@@ -1,4 +1,5 @@
-"""`pdmesh model init`: write a seeded random-weight checkpoint of the DeepSeek-V3 architecture."""
+"""`pdmesh model init`: write a seeded random-weight checkpoint (DeepSeek-V3 or V4), or copy an
+embedded trained one; `pdmesh model train`: train one."""
 
 from __future__ import annotations
 
@@ -14,15 +15,16 @@ def register(commands: argparse._SubParsersAction) -> None:
     init.add_argument(
         "--preset",
         default="tiny",
-        choices=["tiny", "tiny-draft", "small", "coder", "coder-draft"],
-        help="random presets: tiny, tiny-draft, small; coder and coder-draft copy the embedded "
-        "trained checkpoints",
+        choices=["tiny", "tiny-draft", "small", "coder-v4", "coder", "coder-draft"],
+        help="random presets: tiny, tiny-draft, small; coder-v4 (DeepSeek-V4, the default model), "
+        "coder and coder-draft (DeepSeek-V3) copy the embedded trained checkpoints",
     )
     init.add_argument(
         "--arch",
-        default="deepseek_v3",
+        default=None,
         choices=["deepseek_v3", "deepseek_v4"],
-        help="model family (deepseek_v4: random presets tiny and small)",
+        help="model family (default: a trained preset's own, else deepseek_v3; deepseek_v4: "
+        "random presets tiny and small)",
     )
     init.add_argument(
         "--format",

@@ -1,4 +1,4 @@
-"""The `pdmesh` command's model default: the embedded trained checkpoint (`coder`)."""
+"""The `pdmesh` command's model default: the embedded trained checkpoint (`coder-v4`)."""
 
 from __future__ import annotations
 

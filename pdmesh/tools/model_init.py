@@ -29,6 +29,7 @@ from typing import Any
 
 from pdmesh.tools.presets import (
     PRESETS,
+    TRAINED_ARCH,
     TRAINED_PRESETS,
     preset_config,
 )
@@ -268,7 +269,7 @@ def init_model(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     verbose: bool = True,
     expert_skew: float = 0.0,
-    arch: str = "deepseek_v3",
+    arch: str | None = None,
     format: str = "hf",
 ) -> Path:
     """Write a seeded random-weight checkpoint of `preset` to `out_dir` (atomically); returns its
@@ -276,10 +277,20 @@ def init_model(
     instead (seed, dtype and expert_skew apply to random presets only).
 
     expert_skew: Zipf exponent of expert popularity per MoE layer (module docstring); 0: none.
-    arch: deepseek_v3, or deepseek_v4 (model_init_v4.py; presets tiny and small).
+    arch: deepseek_v3, or deepseek_v4 (model_init_v4.py; presets tiny and small); None: a trained
+    preset's own (`TRAINED_ARCH`), else deepseek_v3.
     format: deepseek_v4's layout, hf or official (the DeepSeek release's; model_init_v4.py).
     """
-    if arch == "deepseek_v4":
+    trained = preset in TRAINED_PRESETS  # a copy of the embedded checkpoint
+    if trained and arch not in (None, TRAINED_ARCH[preset]):
+        raise ValueError(f"{preset!r} is a trained {TRAINED_ARCH[preset]} checkpoint, not {arch}")
+    arch = TRAINED_ARCH.get(preset, "deepseek_v3") if arch is None else arch
+    if trained and (seed or expert_skew or format != "hf"):
+        raise ValueError(
+            f"{preset!r} is a trained preset: its weights are the embedded checkpoint "
+            "(--seed, --expert-skew and --format apply to the random presets)"
+        )
+    if arch == "deepseek_v4" and not trained:
         from pdmesh.tools.model_init_v4 import FORMATS, v4_preset_config, write_v4_model
 
         v4_preset_config(preset, dtype)  # validate before any work
@@ -287,17 +298,12 @@ def init_model(
             raise ValueError("--expert-skew is not available for deepseek_v4 checkpoints yet")
         if format not in FORMATS:
             raise ValueError(f"unknown format {format!r}; choose from {FORMATS}")
-    elif arch != "deepseek_v3":
+    elif arch not in ("deepseek_v3", "deepseek_v4"):
         raise ValueError(f"unknown arch {arch!r}; choose deepseek_v3 or deepseek_v4")
-    else:
+    elif not trained:
         preset_config(preset, dtype)  # validate before any work
     if format != "hf" and arch != "deepseek_v4":
         raise ValueError(f"format {format!r} is for deepseek_v4 checkpoints only")
-    if arch == "deepseek_v3" and preset in TRAINED_PRESETS and (seed or expert_skew):
-        raise ValueError(
-            f"{preset!r} is a trained preset: its weights are the embedded checkpoint "
-            "(--seed and --expert-skew apply to the random presets)"
-        )
     if not (math.isfinite(expert_skew) and expert_skew >= 0):
         raise ValueError(f"expert_skew must be a finite number >= 0, got {expert_skew}")
     out = Path(out_dir).expanduser().resolve()
@@ -309,7 +315,9 @@ def init_model(
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        if arch == "deepseek_v4":
+        if trained:
+            _copy_trained(tmp, preset, log)
+        elif arch == "deepseek_v4":
             cfg = write_v4_model(tmp, preset, seed, dtype, max_shard_bytes, log, format)
             write_json(
                 tmp / "pdmesh_init.json",
@@ -322,8 +330,6 @@ def init_model(
                     "config": cfg,
                 },
             )
-        elif preset in TRAINED_PRESETS:
-            _copy_trained(tmp, preset, log)
         else:
             _write_model(tmp, preset, seed, dtype, max_shard_bytes, log, expert_skew)
         _publish(tmp, out, overwrite)

@@ -15,6 +15,17 @@ Two layouts (`--format`):
 Initialisation follows model_init.py: linears N(0, 1/fan_in), embeddings N(0, 1), norms
 1 + jitter, and what transformers initialises to zero (sinks, position biases, hash tables) drawn at
 random, so that every part shows in the output.
+
+`expert_skew` s > 0 (hf layout) then makes expert popularity follow the same Zipf law as V3's
+(expert_skew.py: target pick frequencies `zipf_frequencies`, a seeded ranking per layer from
+`expert_ranking` with one group, as V4's router has no groups), in both kinds of MoE layer:
+  * hash layers: the frozen `tid2eid` is rebuilt so that exactly round(f_e·V) of the V token ids
+    pick expert e (`skewed_hash_table`); a token's experts are then as popular as its id is
+    frequent, so over uniformly drawn ids the loads follow the targets exactly;
+  * top-k layers: the router `bias` (routing-only, as V3's correction bias) is fitted to the
+    targets on the router's real inputs, captured from prefill over the calibration text in the
+    engine, SKEW_ROUNDS capture-and-fit passes as V3's (`fit_topk_bias`).
+0 leaves the checkpoint byte-identical to an unskewed one.
 """
 
 from __future__ import annotations
@@ -29,8 +40,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
+from pdmesh.tools.expert_skew import (
+    SKEW_MAX_BIAS,
+    SKEW_RATE,
+    SKEW_REFIT_STEPS,
+    SKEW_ROUNDS,
+    SKEW_STEPS,
+    expert_ranking,
+    zipf_frequencies,
+)
 from pdmesh.tools.tokenizer_train import BOS_ID, EOS_ID, tokenizer_config, train_tokenizer
 from pdmesh.tools.weight_files import (
     BIAS_STD,

@@ -134,8 +134,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-# Presets whose weights were trained (`pdmesh model train`); `init_model` copies the embedded ones.
-TRAINED_PRESETS = ("coder", "coder-draft")
+# Presets whose weights were trained (`pdmesh model train`); `init_model` copies the embedded ones
+# (coder-v4: DeepSeek-V4, the default model; coder and its draft: DeepSeek-V3).
+TRAINED_ARCH = {"coder-v4": "deepseek_v4", "coder": "deepseek_v3", "coder-draft": "deepseek_v3"}
+TRAINED_PRESETS = tuple(TRAINED_ARCH)
 
 
 def preset_config(preset: str, dtype: str = "float32") -> dict[str, Any]:

@@ -19,16 +19,25 @@ PROMPTS = ["def fibonacci(n):", "class Stack:\n    def push(self, item):", "impo
 
 @pytest.fixture(scope="module")
 def coder() -> LLM:
-    return LLM(dtype="float32", num_blocks=256)  # the default model
+    return LLM(embedded_model_dir("coder"), dtype="float32", num_blocks=256)
 
 
 def _summary(name: str) -> dict:
     return json.loads((embedded_model_dir(name) / "training.json").read_text())
 
 
-def test_the_default_is_the_trained_coder_and_its_draft_shares_the_tokenizer() -> None:
-    target, draft = embedded_model_dir(), embedded_model_dir("coder-draft")
-    assert target == EMBEDDED_DIR / "coder"
+def test_the_default_is_the_trained_v4() -> None:
+    from pdmesh.cli.options import resolve_model
+    from pdmesh_engine.model.configs import read_model_config
+    from pdmesh_engine.model.deepseek_v4.config import V4Config
+
+    assert embedded_model_dir() == EMBEDDED_DIR / "coder-v4" == resolve_model(None)
+    assert isinstance(read_model_config(embedded_model_dir()), V4Config)
+    assert LLM(dtype="float32", num_blocks=64).engine.runner.family.__class__.__name__ == "V4Family"
+
+
+def test_the_trained_coder_and_its_draft_share_the_tokenizer() -> None:
+    target, draft = embedded_model_dir("coder"), embedded_model_dir("coder-draft")
     assert (target / "tokenizer.json").read_bytes() == (draft / "tokenizer.json").read_bytes()
     t, d = ModelConfig.from_dir(target), ModelConfig.from_dir(draft)
     assert t.vocab_size == d.vocab_size
@@ -51,9 +60,9 @@ def test_held_out_perplexity_is_far_below_the_random_initialisation(name: str) -
     assert f"{s['held_out_perplexity']:.1f}" in card and f"{s['steps']:,}" in card
 
 
-def test_engine_greedy_equals_transformers_on_the_default(coder: LLM) -> None:
+def test_engine_greedy_equals_transformers_on_the_trained_coder(coder: LLM) -> None:
     transformers = pytest.importorskip("transformers")
-    model_dir = embedded_model_dir()
+    model_dir = embedded_model_dir("coder")
     reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     for prompt, out in zip(PROMPTS, coder.generate(PROMPTS, params), strict=True):
@@ -86,7 +95,7 @@ def test_the_trained_v4_is_deepseek_v4_with_its_mtp_layer_and_the_coder_tokenize
     assert config.num_nextn_predict_layers == 1
     with safe_open(str(v4 / "model.safetensors"), framework="pt") as f:
         assert any(name.startswith("mtp.0.") for name in f.keys())
-    coder = embedded_model_dir()
+    coder = embedded_model_dir("coder")
     assert (v4 / "tokenizer.json").read_bytes() == (coder / "tokenizer.json").read_bytes()
 
 

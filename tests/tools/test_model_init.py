@@ -187,12 +187,17 @@ def test_cli_main(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert json.loads((tmp_path / "cli" / "pdmesh_init.json").read_text())["seed"] == 3
 
 
-def test_a_trained_preset_is_a_copy_of_its_embedded_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("preset", "arch"), [("coder-draft", "deepseek_v3"), ("coder-v4", "deepseek_v4")]
+)
+def test_a_trained_preset_is_a_copy_of_its_embedded_checkpoint(
+    tmp_path: Path, preset: str, arch: str
+) -> None:
     from pdmesh_engine.checkpoint import embedded_model_dir
 
-    out = init_model(tmp_path / "draft", "coder-draft", verbose=False)
-    source = embedded_model_dir("coder-draft")
+    out = init_model(tmp_path / "copy", preset, arch=arch, verbose=False)
+    source = embedded_model_dir(preset)
     for name in ("config.json", "tokenizer.json", "model.safetensors", "README.md"):
         assert (out / name).read_bytes() == (source / name).read_bytes()
     with pytest.raises(ValueError, match="trained preset"):
-        init_model(tmp_path / "seeded", "coder-draft", seed=3, verbose=False)
+        init_model(tmp_path / "seeded", preset, seed=3, arch=arch, verbose=False)

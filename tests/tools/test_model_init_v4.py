@@ -54,6 +54,8 @@ def test_same_seed_same_bytes_and_unknown_presets_refused(tiny_v4: Path, tmp_pat
         tiny_v4 / "model.safetensors"
     ).read_bytes()
     with pytest.raises(ValueError, match="unknown deepseek_v4 preset"):
+        init_model(tmp_path / "x", "tiny-draft", arch="deepseek_v4", verbose=False)
+    with pytest.raises(ValueError, match="'coder' is a trained deepseek_v3 checkpoint"):
         init_model(tmp_path / "x", "coder", arch="deepseek_v4", verbose=False)
 
 
