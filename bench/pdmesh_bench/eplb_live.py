@@ -2,7 +2,11 @@
 
 One run, one DEP instance of N rank processes (`run_ranks`, gloo on loopback, the harness of
 `pdmesh bench decode`), one seeded workload: each rank decodes R requests of C tokens of synthetic
-KV (no prefill, greedy, ignore_eos), a steady batch of R tokens per rank per step. Phases:
+KV (no prefill, greedy, ignore_eos), a steady batch of R tokens per rank per step. The model is a
+DeepSeek-V3 or V4 checkpoint (e.g. `pdmesh model init DIR --preset tiny [--arch deepseek_v4]
+--expert-skew 1.2`); every MoE layer is planned from its own recorded loads, V4's hash layers
+included (pdmesh_eplb.controller says why that already plans them from the token frequencies).
+Phases:
   off      W untimed + K timed steps on the initial placement (slot s holds expert s % E);
   on       the same requests again (aborted, re-seeded identically), W + K steps; before timed
            step k = I, 2I, ... (when no rebalance is in flight) every rank reads
@@ -113,11 +117,16 @@ def build_engine(rank: int, cfg: LiveConfig, model_dir: Path, threads: int) -> A
 
 def seed_requests(engine: Any, rank: int, cfg: LiveConfig, phase: str) -> list[str]:
     """R requests with C tokens of synthetic KV, handed to decode with a first token; the same
-    prompts, KV values and first tokens in every phase (the generator is re-seeded)."""
+    prompts, KV values and first tokens in every phase (the generator is re-seeded).
+
+    The KV is N(0, 1) in every tensor of every KV group (`EngineCore.kv_memory`: V3's one pool
+    `kv`; V4's `full` compressed entries and `window` per-token state, each group on its own
+    block ids) at the blocks the reservation holds in that group, as a prompt's hand-off from a
+    prefill rank would fill them."""
     from pdmesh_engine.sampling import SamplingParams
 
     gen = torch.Generator().manual_seed(1000 * cfg.seed + rank)
-    vocab, caches = engine.model_config.vocab_size, engine.runner.kv_caches
+    vocab, memory = engine.model_config.vocab_size, engine.kv_memory()
     params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, ignore_eos=True)
     ids = []
     for i in range(cfg.requests):
@@ -126,9 +135,11 @@ def seed_requests(engine: Any, rank: int, cfg: LiveConfig, phase: str) -> list[s
         tables = engine.reserve(prompt, params, request_id)
         if tables is None:
             raise RuntimeError(f"rank {rank}: the KV pool has no room for request {i}")
-        blocks = tables["kv"]
-        values = torch.randn((caches.shape[0], len(blocks), *caches.shape[2:]), generator=gen)
-        caches[:, torch.tensor(blocks, dtype=torch.int64)] = values.to(caches.dtype)
+        for group in memory:
+            blocks = torch.tensor(tables[group.name], dtype=torch.int64)
+            for pool in group.tensors:  # [L, N, B, D]
+                values = torch.randn((pool.shape[0], len(blocks), *pool.shape[2:]), generator=gen)
+                pool[:, blocks] = values.to(pool.dtype)
         first = int(torch.randint(2, vocab, (1,), generator=gen))
         if engine.kv_arrived(request_id, first) is not None:
             raise RuntimeError(f"rank {rank}: request {i} finished on its first token")
@@ -558,11 +569,11 @@ def live_config(args: argparse.Namespace) -> LiveConfig:
 
 
 def run_live(args: argparse.Namespace) -> int:
-    from pdmesh_engine.config import ModelConfig
+    from pdmesh_engine.model.configs import read_model_config
     from pdmesh_engine.parallel.dep import slots_of_rank
 
     cfg = live_config(args)
-    model = ModelConfig.from_dir(args.model)
+    model = read_model_config(args.model)  # DeepSeek-V3 or V4
     slots_of_rank(model.n_routed_experts, cfg.num_redundant, cfg.dep, 0)  # ValueError: P % N
     if cfg.context + cfg.max_tokens > model.max_position_embeddings:
         raise ValueError(

@@ -42,7 +42,8 @@ def register(commands: argparse._SubParsersAction) -> None:
         default=0.0,
         metavar="ZIPF_S",
         help="Zipf exponent of expert popularity per MoE layer, each layer ranking "
-        "experts differently (default 0: near-uniform routing)",
+        "experts differently (default 0: near-uniform routing; deepseek_v4: hf format, hash "
+        "layers through their token table, top-k layers through the router bias)",
     )
     init.set_defaults(run=run_init)
 

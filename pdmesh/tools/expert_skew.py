@@ -70,7 +70,7 @@ def zipf_frequencies(num_experts: int, top_k: int, zipf_s: float) -> torch.Tenso
     return (weights * hi).clamp(max=SKEW_MAX_FREQUENCY)
 
 
-def _generator(seed: int, layer: int) -> torch.Generator:
+def layer_generator(seed: int, layer: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed % (1 << 40)) * 4096 + layer)
 
 
@@ -79,7 +79,7 @@ def expert_ranking(seed: int, layer: int, num_experts: int, num_groups: int) -> 
     consecutive ranks); a function of (seed, layer) only."""
     if num_groups < 1 or num_experts % num_groups:
         raise ValueError(f"{num_experts} experts do not split into {num_groups} groups")
-    gen, per_group = _generator(seed, layer), num_experts // num_groups
+    gen, per_group = layer_generator(seed, layer), num_experts // num_groups
     group_order = torch.randperm(num_groups, generator=gen)  # [G]
     # [G, E/G]
     within = torch.stack([torch.randperm(per_group, generator=gen) for _ in range(num_groups)])
@@ -125,7 +125,7 @@ def fit_bias(
     return bias.float()
 
 
-def _calibration_prompts(tokenizer: Tokenizer) -> list[list[int]]:
+def calibration_prompts(tokenizer: Tokenizer) -> list[list[int]]:
     from pdmesh.tools.tokenizer_train import stdlib_corpus
 
     texts = stdlib_corpus()
@@ -166,7 +166,7 @@ def _fit_main_layers(
     config = llm.engine.model_config
     moe, layer_ids = llm.engine.runner.model.moe_layers, config.moe_layer_ids
     targets = [layer_targets(config, seed, i, zipf_s) for i in layer_ids]
-    prompts = _calibration_prompts(llm.tokenizer)
+    prompts = calibration_prompts(llm.tokenizer)
     biases: dict[int, torch.Tensor] = {}
     for round_index in range(SKEW_ROUNDS):
         inputs = _capture_router_inputs(llm, prompts)
@@ -189,7 +189,7 @@ def _fit_mtp_layers(llm: LLM, seed: int, zipf_s: float) -> dict[int, torch.Tenso
         x = torch.randn(
             CALIBRATION_PROMPTS * CALIBRATION_TOKENS,
             config.hidden_size,
-            generator=_generator(seed + 1, layer_id),
+            generator=layer_generator(seed + 1, layer_id),
         )
         x = x * mtp.block.post_attention_layernorm.weight.detach().float()
         target = layer_targets(config, seed, layer_id, zipf_s)

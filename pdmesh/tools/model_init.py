@@ -294,10 +294,10 @@ def init_model(
         from pdmesh.tools.model_init_v4 import FORMATS, v4_preset_config, write_v4_model
 
         v4_preset_config(preset, dtype)  # validate before any work
-        if expert_skew:
-            raise ValueError("--expert-skew is not available for deepseek_v4 checkpoints yet")
         if format not in FORMATS:
             raise ValueError(f"unknown format {format!r}; choose from {FORMATS}")
+        if expert_skew and format != "hf":
+            raise ValueError("--expert-skew writes deepseek_v4 checkpoints in the hf format only")
     elif arch not in ("deepseek_v3", "deepseek_v4"):
         raise ValueError(f"unknown arch {arch!r}; choose deepseek_v3 or deepseek_v4")
     elif not trained:
@@ -318,7 +318,9 @@ def init_model(
         if trained:
             _copy_trained(tmp, preset, log)
         elif arch == "deepseek_v4":
-            cfg = write_v4_model(tmp, preset, seed, dtype, max_shard_bytes, log, format)
+            cfg = write_v4_model(
+                tmp, preset, seed, dtype, max_shard_bytes, log, format, expert_skew
+            )
             write_json(
                 tmp / "pdmesh_init.json",
                 {
@@ -327,6 +329,7 @@ def init_model(
                     "seed": seed,
                     "dtype": dtype,
                     "format": format,
+                    **({"expert_skew": expert_skew} if expert_skew else {}),
                     "config": cfg,
                 },
             )

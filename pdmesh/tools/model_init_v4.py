@@ -49,7 +49,9 @@ from pdmesh.tools.expert_skew import (
     SKEW_REFIT_STEPS,
     SKEW_ROUNDS,
     SKEW_STEPS,
+    calibration_prompts,
     expert_ranking,
+    layer_generator,
     zipf_frequencies,
 )
 from pdmesh.tools.tokenizer_train import BOS_ID, EOS_ID, tokenizer_config, train_tokenizer
@@ -446,6 +448,121 @@ def write_official_weights(
     return specs, save_shards(out, tensors, max_shard_bytes)
 
 
+def skewed_hash_table(target: torch.Tensor, vocab_size: int, gen: torch.Generator) -> torch.Tensor:
+    """[V, K] int64: a hash layer's token -> K distinct experts table in which round(target[e]·V)
+    token ids (largest remainders; `target` [E] sums to K, each below 1) pick expert e, the ids in
+    a random order from `gen`.
+
+    The K·V picks are laid out expert after expert and token v takes picks v, v + V, ...: an
+    expert holds at most V consecutive picks, so no token gets one expert twice."""
+    top_k = round(float(target.sum()))
+    exact = target * vocab_size
+    counts = exact.floor().long()
+    short = top_k * vocab_size - int(counts.sum())
+    counts[(exact - counts).argsort(descending=True)[:short]] += 1
+    picks = torch.repeat_interleave(torch.arange(target.shape[0]), counts)  # [K·V]
+    table = picks.view(top_k, vocab_size).t()
+    return table[torch.randperm(vocab_size, generator=gen)].contiguous()
+
+
+@torch.no_grad()
+def fit_topk_bias(
+    router: torch.nn.Module, x: torch.Tensor, target: torch.Tensor, num_steps: int = SKEW_STEPS
+) -> torch.Tensor:
+    """Fits a top-k router's `bias` [E] in place so that router(x [N, D]) picks each expert with
+    frequency `target` [E]; starts from its current bias; returns it (float32). The scores do not
+    depend on the bias: they are computed once, and every step runs the router's own selection
+    (top-k of score + bias, in fp32) with the update rule of V3's `fit_bias`."""
+    num_tokens, num_experts = x.shape[0], target.shape[0]
+    scores = router.score(F.linear(x.float(), router.weight.float()))  # [N, E]
+    bias = router.bias.detach().double().clone()
+    for _ in range(num_steps):
+        ids = torch.topk(scores + bias.float(), router.top_k, dim=-1, sorted=False).indices
+        picks = torch.bincount(ids.flatten(), minlength=num_experts).double() / num_tokens
+        step = SKEW_RATE * (target / (picks + 0.5 / num_tokens)).log()
+        bias = (bias + step).clamp(-SKEW_MAX_BIAS, SKEW_MAX_BIAS)
+    router.bias.data.copy_(bias)
+    return bias.float()
+
+
+def _capture_router_inputs(llm: Any, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Runs prefill over `prompts`; returns each decoder layer's router inputs [N, D]."""
+    from pdmesh_engine.sampling import SamplingParams
+
+    moe = llm.engine.runner.model.moe_layers
+    captured: list[list[torch.Tensor]] = [[] for _ in moe]
+    hooks = [
+        m.gate.register_forward_pre_hook(
+            lambda _m, args, i=i: captured[i].append(args[0].detach().float())
+        )
+        for i, m in enumerate(moe)
+    ]
+    try:
+        llm.generate(
+            [{"prompt_ids": p} for p in prompts], SamplingParams(max_tokens=1, temperature=0.0)
+        )
+    finally:
+        for h in hooks:
+            h.remove()
+    return [torch.cat(c) for c in captured]
+
+
+def _rewrite_tensors(model_dir: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Replace `tensors` (by name, each cast to the stored dtype) in the files of `model_dir`."""
+    written: set[str] = set()
+    for file in sorted(model_dir.glob("*.safetensors")):
+        stored = load_file(str(file))
+        hits = [n for n in stored if n in tensors]
+        if hits:
+            stored.update({n: tensors[n].to(stored[n].dtype) for n in hits})
+            save_file(stored, str(file), metadata={"format": "pt"})
+            written.update(hits)
+    if written != set(tensors):
+        missing = sorted(set(tensors) - written)
+        raise ValueError(f"tensors {missing[:3]} are not in {model_dir}'s files")
+
+
+def apply_v4_expert_skew(
+    model_dir: Path, zipf_s: float, seed: int, log: Callable[[str], None] = lambda _msg: None
+) -> None:
+    """Skews every MoE layer of the hf-layout V4 checkpoint in `model_dir` (written, not yet in
+    use) to Zipf(zipf_s) with a per-layer ranking (module docstring): the hash layers' tables
+    first (they shape the inputs of the layers after them), then the top-k layers' biases."""
+    from pdmesh_engine.llm import LLM
+
+    config = V4Config.from_dict(json.loads((model_dir / "config.json").read_text()))
+    num_experts, top_k = config.n_routed_experts, config.num_experts_per_tok
+    targets = []
+    for i in range(config.num_hidden_layers):
+        target = torch.empty(num_experts, dtype=torch.float64)
+        target[expert_ranking(seed, i, num_experts, 1)] = zipf_frequencies(
+            num_experts, top_k, zipf_s
+        )
+        targets.append(target)
+    hashed = [i for i, kind in enumerate(config.mlp_layer_types) if kind == HASH_MOE]
+    tables = {
+        hf_name(f"layers.{i}.ffn.gate.tid2eid"): skewed_hash_table(
+            targets[i], config.vocab_size, layer_generator(seed + 1, i)
+        )
+        for i in hashed
+    }
+    _rewrite_tensors(model_dir, tables)
+    topk = [i for i in range(config.num_hidden_layers) if i not in hashed]
+    # Prefix-cache hits would skip the prefill the capture needs.
+    llm = LLM(model_dir, device="cpu", enable_prefix_caching=False)
+    moe = llm.engine.runner.model.moe_layers
+    prompts = calibration_prompts(llm.tokenizer)
+    biases: dict[str, torch.Tensor] = {}
+    for round_index in range(SKEW_ROUNDS if topk else 0):
+        inputs = _capture_router_inputs(llm, prompts)
+        steps = SKEW_REFIT_STEPS if round_index else SKEW_STEPS
+        for i in topk:
+            bias = fit_topk_bias(moe[i].gate, inputs[i], targets[i], steps)
+            biases[hf_name(f"layers.{i}.ffn.gate.bias")] = bias
+    _rewrite_tensors(model_dir, biases)
+    log(f"skewed {len(hashed)} hash tables and fitted {len(topk)} router biases to Zipf {zipf_s}")
+
+
 def write_v4_model(
     out: Path,
     preset: str,
@@ -454,9 +571,11 @@ def write_v4_model(
     max_shard_bytes: int,
     log: Callable[[str], None],
     format: str = "hf",
+    expert_skew: float = 0.0,
 ) -> dict[str, Any]:
     """Write config, tokenizer and weights of a random V4 preset into `out` in `format` (module
-    docstring; `dtype` applies to hf); returns the config."""
+    docstring; `dtype` applies to hf), expert popularity skewed to Zipf(`expert_skew`) when it is
+    above 0 (hf only); returns the config."""
     cfg_dict = v4_preset_config(preset, dtype) if format == "hf" else release_config(preset)
     config = V4Config.from_dict(cfg_dict)
     write_json(out / "config.json", cfg_dict)
@@ -492,4 +611,8 @@ def write_v4_model(
         f"({active / 1e6:.1f}M active, +{mtp / 1e6:.1f}M MTP), {nbytes / 1e6:.0f} MB, in "
         f"{time.perf_counter() - t0:.1f}s"
     )
+    if expert_skew > 0:
+        t0 = time.perf_counter()
+        apply_v4_expert_skew(out, expert_skew, seed, log)
+        log(f"skewed expert popularity (Zipf {expert_skew}) in {time.perf_counter() - t0:.1f}s")
     return cfg_dict

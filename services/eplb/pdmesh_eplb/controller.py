@@ -8,6 +8,16 @@ Pure: no Redis, no clock, no logging. Steps come from the ranks' reports (`step`
 the time of day from the caller. Everything it needs is in Redis, so a restarted controller decides
 the same. Shapes: L MoE layers, E logical experts, P = E + S physical slots, R ranks; slot s on rank
 s // (P / R).
+
+Every layer is planned alike from the loads its ranks recorded, DeepSeek-V4's hash layers too. A
+hash layer routes token id v to the K experts of its frozen `tid2eid[v]`, so its window loads are
+exactly the window's token histogram pushed through that table (each token adds one to each of its
+K experts, whichever replica ran it): planning from the window already is planning from the token
+frequencies, and a separate histogram path would differ only in its horizon. Measured on a skewed
+tiny V4 (Zipf 1.2, 32 decoding requests, DEP4 with 4 redundant slots, a rebalance every 10 steps,
+move budget 20%), the hash layer's per-step balancedness after rebalancing was 0.766 planned from
+the last 10 steps' loads, 0.762 from the histogram of every token so far, 0.768 from the table
+alone (uniform token ids); 0.482 without rebalancing, 0.825 with each step's own loads.
 """
 
 from __future__ import annotations
