@@ -277,10 +277,8 @@ class V4MTPProposer(MTPProposer):
         return 1, self.model.config.head_dim
 
     def _dummy_pass(self, batch: ForwardBatch) -> None:
-        raise RuntimeError(
-            "speculative decoding on DeepSeek-V4 does not run under DEP: its MTP proposer has no "
-            "lockstep dummy pass"
-        )
+        """Nothing: the MTP layer holds every one of its experts on each rank (no all-to-all), so
+        under DEP its passes have no partner to keep in step with."""
 
 
 class DraftModelProposer(Proposer):

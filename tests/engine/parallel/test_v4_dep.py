@@ -46,6 +46,7 @@ LATE = {4: 10}  # prompt index -> step at which it arrives (on rank 0, idle by t
 # staged placement: experts 0 and 7 trade slots in every layer (on different ranks under DEP2)
 SWAP_AT, SWAP = (5, (0, 7))
 TIMEOUT_S = 120.0
+MTP = dict(speculative_method="mtp", num_speculative_tokens=2)
 
 
 def prompt(i: int) -> list[int]:
@@ -77,23 +78,25 @@ def _engine_worker(
     port: int,
     model_dir: Path,
     out_dir: Path,
-    scenarios: list[tuple[str, int, bool]],
+    scenarios: list[tuple[str, int, bool, dict]],
 ) -> None:
     torch.set_num_threads(1)
     results = {}
-    for name, redundant, swap in scenarios:
+    for name, redundant, swap, overrides in scenarios:
         context = init_dep(
             DEPConfig(
                 rank, world, master_port=port, timeout_s=TIMEOUT_S, num_redundant_experts=redundant
             )
         )
-        results[name] = _run_engine(rank, world, model_dir, context, swap)
+        results[name] = _run_engine(rank, world, model_dir, context, swap, overrides)
     torch.save(results, out_dir / f"engine{world}-{rank}.pt")
     shutdown_dep()
 
 
-def _run_engine(rank: int, world: int, model_dir: Path, context, swap: bool) -> dict:
-    engine = EngineCore(model_dir, EngineConfig(**ENGINE), dep=context)
+def _run_engine(
+    rank: int, world: int, model_dir: Path, context, swap: bool, overrides: dict
+) -> dict:
+    engine = EngineCore(model_dir, EngineConfig(**{**ENGINE, **overrides}), dep=context)
     forwards = [0]
     engine.runner.model.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     mine = [i for i in range(len(PROMPT_LENS)) if i % world == rank]
@@ -129,6 +132,7 @@ def _run_engine(rank: int, world: int, model_dir: Path, context, swap: bool) -> 
         stats=engine.runner.dispatch_stats().as_dict(),
         scratch=(engine.runner.scratch_block, engine.runner.scratch_window_block),
         pools=(engine.kv.full.pool.num_blocks, engine.kv.window.num_blocks),
+        spec=engine.spec_decode_stats(),
         **(_swapped_slot(engine, model_dir) if swap else {}),
     )
 
@@ -188,19 +192,38 @@ def _run_dep(world: int, model_dir: Path, out_dir: Path, scenarios: list) -> lis
 
 @pytest.fixture(scope="module")
 def dep1(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return _run_dep(1, model_dir, tmp_path_factory.mktemp("v4dep1"), [("base", 0, False)])
+    return _run_dep(1, model_dir, tmp_path_factory.mktemp("v4dep1"), [("base", 0, False, {})])
 
 
 @pytest.fixture(scope="module")
 def dep2(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    scenarios = [("base", 0, False), ("redundant", 2, False), ("swap", 0, True)]
+    scenarios = [("base", 0, False, {}), ("redundant", 2, False, {}), ("swap", 0, True, {})]
     return _run_dep(2, model_dir, tmp_path_factory.mktemp("v4dep2"), scenarios)
 
 
 @pytest.fixture(scope="module")
 def dep4(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    scenarios = [("base", 0, False), ("redundant", 4, False)]
+    scenarios = [("base", 0, False, {}), ("redundant", 4, False, {})]
     return _run_dep(4, model_dir, tmp_path_factory.mktemp("v4dep4"), scenarios)
+
+
+@pytest.fixture(scope="module")
+def mtp_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny V4 in the release format, which holds the `mtp.0.*` layer."""
+    return init_model(
+        tmp_path_factory.mktemp("v4dep-mtp") / "tiny",
+        "tiny",
+        seed=0,
+        arch="deepseek_v4",
+        format="official",
+        verbose=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def dep2_mtp(mtp_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    scenarios = [("mtp", 2, False, MTP)]
+    return _run_dep(2, mtp_model_dir, tmp_path_factory.mktemp("v4dep2-mtp"), scenarios)
 
 
 # ----- tests -----
@@ -351,3 +374,22 @@ def test_expert_source_reads_the_loaded_weights(
             assert torch.equal(source(layer, expert, "gate_proj"), moe.w13[expert, :width])
             assert torch.equal(source(layer, expert, "up_proj"), moe.w13[expert, width:])
             assert torch.equal(source(layer, expert, "down_proj"), moe.w2[expert])
+
+
+def test_dep2_with_mtp_speculation_equals_the_plain_engine_without(
+    mtp_model_dir: Path, dep2_mtp: list[dict]
+) -> None:
+    """Each rank drafts with its own MTP layer (all of its experts local), verifies under lockstep
+    (ranks verifying different numbers of drafts, or none), and emits the tokens the plain engine
+    without speculation emits."""
+    llm = LLM(mtp_model_dir, EngineConfig(**ENGINE))
+    outs = llm.generate(
+        [prompt(i) for i in range(len(PROMPT_LENS))], [greedy(i) for i in range(len(PROMPT_LENS))]
+    )
+    seen = {}
+    for rank in dep2_mtp:
+        seen |= rank["mtp"]["tokens"]
+        assert rank["mtp"]["spec"] is not None and rank["mtp"]["spec"].num_draft_tokens > 0
+    assert sorted(seen) == list(range(len(PROMPT_LENS)))
+    for i, tokens in seen.items():
+        assert tokens == outs[i].token_ids, i
