@@ -126,6 +126,201 @@ def moe_cases() -> list[dict[str, Any]]:
     return rows
 
 
+def v4_mix_cases() -> list[dict[str, Any]]:
+    """DeepSeek-V4's compressor pooling and mHC kernels against their references: the small
+    preset's widths and a Flash-like model's (hidden 4096, hc_mult 4, head_dim 512, CSA rate 4
+    with its 128-wide indexer, HCA rate 128), for steps of 32-256 tokens."""
+    from pdmesh_kernels import (
+        compressor_pool_ref,
+        compressor_pool_triton,
+        mhc_collapse_ref,
+        mhc_collapse_triton,
+        mhc_expand_ref,
+        mhc_expand_triton,
+    )
+
+    def row(
+        kernel: str,
+        dtype: torch.dtype,
+        shape: str,
+        err: float,
+        ours: Callable[[], Any],
+        ref: Callable[[], Any],
+    ) -> dict[str, Any]:
+        return {
+            "kernel": kernel,
+            "dtype": str(dtype).removeprefix("torch."),
+            "shape": shape,
+            "rel_err": err,
+            "ok": err <= TOLERANCE[dtype],
+            "triton_ms": _time_ms(ours),
+            "torch_ms": _time_ms(ref),
+        }
+
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        # (rate, series, dim, closing windows): CSA / indexer / HCA windows closing in a step
+        for rate, series, dim, windows in (
+            (4, 2, 512, 64),
+            (4, 2, 128, 64),
+            (128, 1, 512, 4),
+            (4, 2, 128, 8),
+        ):
+            gen = torch.Generator().manual_seed(rate * dim + windows)
+            pool = torch.randn(4096, 2 * series * dim, generator=gen).to(dtype).to(CUDA)
+            slots = torch.randperm(4096, generator=gen)[: windows * series * rate]
+            slots = slots.view(windows, series * rate).to(CUDA)
+            first = (torch.arange(windows) % 5 == 0).to(CUDA)
+            ape = torch.randn(rate, series * dim, generator=gen).to(CUDA)
+            weight = (torch.rand(dim, generator=gen) + 0.5).to(CUDA)
+            args = (pool, slots, first, ape, weight, 1e-6)
+            ref = compressor_pool_ref(*args)
+            err = _rel_err(compressor_pool_triton(*args), ref)
+            rows.append(
+                row(
+                    "compressor_pool",
+                    dtype,
+                    f"rate {rate} S{series} D{dim} C{windows}",
+                    err,
+                    partial(compressor_pool_triton, *args),
+                    partial(compressor_pool_ref, *args),
+                )
+            )
+        for tokens, n, hidden in ((32, 4, 4096), (256, 4, 4096), (64, 4, 512), (128, 2, 64)):
+            gen = torch.Generator().manual_seed(tokens * n + hidden)
+            m = (2 + n) * n
+            streams = torch.randn(tokens, n, hidden, generator=gen).to(dtype).to(CUDA)
+            fn = (torch.randn(m, n * hidden, generator=gen) * 4 / (n * hidden) ** 0.5).to(CUDA)
+            base = torch.randn(m, generator=gen).to(CUDA)
+            scale = (torch.rand(3, generator=gen) + 0.5).to(CUDA)
+            out = torch.randn(tokens, hidden, generator=gen).to(dtype).to(CUDA)
+            args = (streams, fn, base, scale, 20, 1e-6, 1e-6)
+            ref = mhc_collapse_ref(*args)
+            ours = mhc_collapse_triton(*args)
+            err = max(_rel_err(a, b) for a, b in zip(ours, ref, strict=True))
+            shape = f"T{tokens} N{n} D{hidden}"
+            rows.append(
+                row(
+                    "mhc_collapse",
+                    dtype,
+                    shape + " sinkhorn 20",
+                    err,
+                    partial(mhc_collapse_triton, *args),
+                    partial(mhc_collapse_ref, *args),
+                )
+            )
+            exp_args = (streams, out, ref[1], ref[2])
+            err = _rel_err(mhc_expand_triton(*exp_args), mhc_expand_ref(*exp_args))
+            rows.append(
+                row(
+                    "mhc_expand",
+                    dtype,
+                    shape,
+                    err,
+                    partial(mhc_expand_triton, *exp_args),
+                    partial(mhc_expand_ref, *exp_args),
+                )
+            )
+    return rows
+
+
+def v4_attention_cases() -> list[dict[str, Any]]:
+    """DeepSeek-V4's Lightning Indexer and sparse attention against their references, on random
+    paged steps (ragged visible counts, some queries near the sequence start): the small preset's
+    CSA layer (8 heads x 128, indexer 16 x 64 top-128), Flash-like CSA and HCA layers (64 heads x
+    512, window 128, indexer 64 x 128 top-512 of 4096 entries; HCA all of 256 entries), and a
+    256-token prefill chunk. The indexer's rel_err is its scores'; its choice must be as good as the
+    reference's (the reference scores of the chosen entries, sorted, within the tolerance:
+    near-ties may swap), and index_rows_equal says how many rows chose the very same set."""
+    from pdmesh_kernels import (
+        indexer_scores_ref,
+        indexer_scores_triton,
+        indexer_topk_ref,
+        indexer_topk_triton,
+        v4_attention_ref,
+        v4_attention_triton,
+    )
+
+    def dev(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return (t if dtype is None else t.to(dtype)).to(CUDA)
+
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        # (name, tokens, H, C, W, Hi, Ci, top_k (None: HCA), entries)
+        for name, tokens, heads, dim, window, ih, idim, top_k, entries in (
+            ("small CSA decode", 32, 8, 128, 128, 16, 64, 128, 512),
+            ("flash CSA decode", 32, 64, 512, 128, 64, 128, 512, 4096),
+            ("flash HCA decode", 32, 64, 512, 128, 0, 0, None, 256),
+            ("small CSA prefill", 256, 8, 128, 128, 16, 64, 128, 1024),
+        ):
+            gen = torch.Generator().manual_seed(tokens * heads + entries)
+            seqs = 4
+            token_seq = torch.arange(tokens) % seqs
+            visible = torch.randint(1, entries + 1, (tokens,), generator=gen)
+            visible[:3] = torch.tensor([1, 2, entries])[: min(3, tokens)]
+            pos = torch.randint(0, 4 * window, (tokens,), generator=gen)
+            window_valid = pos[:, None] - window + 1 + torch.arange(window)[None, :] >= 0
+            num_rows = tokens * window + 64
+            window_slots = torch.randint(0, num_rows, (tokens, window), generator=gen)
+            entry_slots = torch.randperm(seqs * entries + 64, generator=gen)[: seqs * entries]
+            entry_slots = entry_slots.view(seqs, entries)
+
+            token_seq, visible, window_valid = dev(token_seq), dev(visible), dev(window_valid)
+            window_slots, entry_slots = dev(window_slots), dev(entry_slots)
+            chosen = None
+            shape = f"T{tokens} H{heads} C{dim} W{window} E{entries}"
+            if top_k is not None:
+                q_idx = dev(torch.randn(tokens, ih, idim, generator=gen), dtype)
+                weights = dev(torch.randn(tokens, ih, generator=gen), dtype)
+                index_pool = dev(torch.randn(seqs * entries + 64, idim, generator=gen), dtype)
+                args = (q_idx, weights, index_pool, entry_slots, token_seq, visible)
+                ref_score = indexer_scores_ref(*args)
+                live = torch.isfinite(ref_score)
+                score = indexer_scores_triton(*args)
+                scale = ref_score[live].abs().max()
+                err = float((score[live] - ref_score[live]).abs().max() / scale)
+                ref_chosen, ref_ok = indexer_topk_ref(*args, top_k)
+                chosen, ok = indexer_topk_triton(*args, top_k)
+                got = ref_score.gather(1, chosen).masked_fill(~ok, 0).sort(dim=1).values
+                want = ref_score.gather(1, ref_chosen).masked_fill(~ref_ok, 0).sort(dim=1).values
+                choice_err = float((got - want).abs().max() / scale)
+                same = chosen.masked_fill(~ok, -1).sort(dim=1).values
+                same = same == ref_chosen.masked_fill(~ref_ok, -1).sort(dim=1).values
+                rows.append(
+                    {
+                        "kernel": "indexer_topk",
+                        "dtype": str(dtype).removeprefix("torch."),
+                        "shape": f"{name}: T{tokens} Hi{ih} Ci{idim} E{entries} top-{top_k}",
+                        "rel_err": err,
+                        "choice_err": choice_err,
+                        "index_rows_equal": f"{int(same.all(dim=1).sum())}/{tokens}",
+                        "ok": max(err, choice_err) <= TOLERANCE[dtype] and torch.equal(ok, ref_ok),
+                        "triton_ms": _time_ms(partial(indexer_topk_triton, *args, top_k)),
+                        "torch_ms": _time_ms(partial(indexer_topk_ref, *args, top_k)),
+                    }
+                )
+                chosen = ref_chosen
+            q = dev(torch.randn(tokens, heads, dim, generator=gen), dtype)
+            window_pool = dev(torch.randn(num_rows, dim, generator=gen), dtype)
+            entry_pool = dev(torch.randn(seqs * entries + 64, dim, generator=gen), dtype)
+            sink = dev(torch.randn(heads, generator=gen))
+            args = (q, window_pool, window_slots, window_valid, sink, dim**-0.5, entry_pool)
+            args += (entry_slots, token_seq, visible, chosen)
+            err = _rel_err(v4_attention_triton(*args), v4_attention_ref(*args))
+            rows.append(
+                {
+                    "kernel": "v4_attention",
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "shape": f"{name}: {shape}" + (f" top-{top_k}" if top_k else " all"),
+                    "rel_err": err,
+                    "ok": err <= TOLERANCE[dtype],
+                    "triton_ms": _time_ms(partial(v4_attention_triton, *args)),
+                    "torch_ms": _time_ms(partial(v4_attention_ref, *args)),
+                }
+            )
+    return rows
+
+
 def engine_cases(root: Path) -> list[dict[str, Any]]:
     """Greedy tokens of the CUDA engine (graphs on, graphs off) equal the CPU engine's, for the
     tiny V3 preset (MLA + MoE kernels, CUDA graphs) and the tiny V4 preset (torch path)."""
@@ -237,7 +432,7 @@ def main() -> int:
     except ImportError:
         report["triton"] = None
     checks: list[dict[str, Any]] = []
-    for part in (mla_cases, moe_cases):
+    for part in (mla_cases, moe_cases, v4_mix_cases, v4_attention_cases):
         try:
             checks += part()
         except Exception as e:  # noqa: BLE001 (a failed part is reported, the others still run)
