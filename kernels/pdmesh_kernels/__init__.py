@@ -19,7 +19,7 @@ the tensors are on CUDA and Triton is importable (`HAS_TRITON`), or inside `forc
 (`uses_triton`). Without Triton installed the references still work. On CPU the Triton kernels run
 only under the Triton interpreter (TRITON_INTERPRET=1 set before triton is first imported), which
 is how the tests check them. The V4 kernels are checked against the engine's own modules and on a
-GPU (`scripts/gpu_check.py`); the engine does not call them yet.
+GPU (`scripts/gpu_check.py`); the V4 engine calls them on CUDA (`uses_triton`).
 """
 
 from __future__ import annotations

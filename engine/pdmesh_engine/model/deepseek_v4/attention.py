@@ -29,7 +29,13 @@ from torch import nn
 
 from pdmesh_engine.model.deepseek_v4.blocks import RMSNorm, Rope, apply_rope, unweighted_rms_norm
 from pdmesh_engine.model.deepseek_v4.config import CSA, SLIDING, V4Config
-from pdmesh_engine.model.deepseek_v4.kv import Entries, V4Step
+from pdmesh_engine.model.deepseek_v4.kv import Closing, Entries, V4Step
+from pdmesh_kernels import (
+    compressor_pool_triton,
+    indexer_topk_triton,
+    uses_triton,
+    v4_attention_triton,
+)
 
 # gathered key elements per slice of queries (bounds the step's transient memory)
 KEY_ELEMENTS_PER_SLICE = 1 << 24
@@ -69,6 +75,20 @@ class Compressor(nn.Module):
         cos, sin = rope.tables(positions, pooled.dtype)
         return apply_rope(pooled, cos, sin)
 
+    def _pool_triton(self, flat_rows: torch.Tensor, closing: Closing, rope: Rope) -> torch.Tensor:
+        """`pool` on CUDA: the Triton kernel (`pdmesh_kernels.v4_compressor`) reads the closing
+        windows' rows through their slots (no gathered copy), then the same rope as `pool`."""
+        pooled = compressor_pool_triton(
+            flat_rows,
+            closing.row_slots,
+            closing.first,
+            self.ape.float(),
+            self.norm.weight.float(),
+            self.norm.eps,
+        )
+        cos, sin = rope.tables(closing.positions, pooled.dtype)
+        return apply_rope(pooled, cos, sin)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -83,7 +103,12 @@ class Compressor(nn.Module):
         flat_rows[step.write_slots] = self.rows(x).to(flat_rows.dtype)
         closing = entries.closing
         if closing.write_slots.numel():
-            pooled = self.pool(flat_rows[closing.row_slots], closing.first, rope, closing.positions)
+            if uses_triton(flat_rows.device):
+                pooled = self._pool_triton(flat_rows, closing, rope)
+            else:
+                pooled = self.pool(
+                    flat_rows[closing.row_slots], closing.first, rope, closing.positions
+                )
             entry_pool.view(-1, self.dim)[closing.write_slots] = pooled.to(entry_pool.dtype)
 
 
@@ -112,11 +137,23 @@ class Indexer(nn.Module):
         rope: Rope,
         rows: slice,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """For the query tokens `rows`: (chosen entry indices [t, k], chosen and visible [t, k])."""
+        """For the query tokens `rows`: (chosen entry indices [t, k], chosen and visible [t, k]).
+        On CUDA (`uses_triton`) the scores are a Triton kernel (`pdmesh_kernels.v4_indexer`), the
+        top-k the same `torch.topk`."""
         t = rows.stop - rows.start
         q = self.wq_b(q_lora[rows]).view(t, self.heads, self.dim)
         cos, sin = rope.tables(step.positions[rows], q.dtype)
         q = apply_rope(q, cos, sin)
+        if uses_triton(q.device):  # the scores read the keys through the slots, no gathered copy
+            return indexer_topk_triton(
+                q,
+                self.weights_proj(x[rows]),
+                index_pool.view(-1, self.dim),
+                entries.slots,
+                step.token_seq[rows],
+                entries.visible[rows],
+                self.top_k,
+            )
         slots = entries.slots[step.token_seq[rows]]  # [t, E]
         keys = index_pool.view(-1, self.dim)[slots]  # [t, E, Ci]
         scores = F.relu(torch.einsum("thc,tec->the", q.float(), keys.float())) * self.dim**-0.5
@@ -178,17 +215,57 @@ class Attention(nn.Module):
             self.indexer.compressor(
                 x, step, entries, pools["index_rows"], pools["index"], self.rope
             )
-        out = torch.empty_like(q)
-        per_slice = max(1, KEY_ELEMENTS_PER_SLICE // (self._keys_per_query(entries) * self.dim))
-        for start in range(0, num_tokens, per_slice):
-            rows = slice(start, min(start + per_slice, num_tokens))
-            keys, valid = self._keys(x, q_lora, step, entries, pools, window, rows)
-            out[rows] = self._attend(q[rows], keys, valid)
+        if uses_triton(q.device):
+            out = self._attend_triton(x, q, q_lora, step, entries, pools, window)
+        else:
+            out = torch.empty_like(q)
+            per_slice = max(1, KEY_ELEMENTS_PER_SLICE // (self._keys_per_query(entries) * self.dim))
+            for start in range(0, num_tokens, per_slice):
+                rows = slice(start, min(start + per_slice, num_tokens))
+                keys, valid = self._keys(x, q_lora, step, entries, pools, window, rows)
+                out[rows] = self._attend(q[rows], keys, valid)
         out = apply_rope(out, cos, -sin)  # undo the values' rotation at the query's position
         grouped = out.view(num_tokens, self.groups, -1).transpose(0, 1)  # [G, T, H*C/G]
         w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])  # [G, R, H*C/G]
         mid = torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(num_tokens, -1)
         return self.wo_b(mid)
+
+    def _attend_triton(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        q_lora: torch.Tensor,
+        step: V4Step,
+        entries: Entries | None,
+        pools: dict[str, torch.Tensor],
+        window: torch.Tensor,
+    ) -> torch.Tensor:
+        """`_keys` + `_attend` on CUDA, for every query at once: the Triton kernel
+        (`pdmesh_kernels.v4_sparse_attention`) reads the window and the (chosen) entries through
+        their slots, so there is no gathered key copy to bound by slicing."""
+        if entries is None:
+            return v4_attention_triton(
+                q, window, step.window_slots, step.window_valid, self.attn_sink, self.dim**-0.5
+            )
+        chosen = None
+        if self.indexer is not None:
+            everything = slice(0, q.shape[0])
+            chosen, _ = self.indexer(
+                x, q_lora, step, entries, pools["index"], self.rope, everything
+            )
+        return v4_attention_triton(
+            q,
+            window,
+            step.window_slots,
+            step.window_valid,
+            self.attn_sink,
+            self.dim**-0.5,
+            pools["entries"].view(-1, self.dim),
+            entries.slots,
+            step.token_seq,
+            entries.visible,
+            chosen,
+        )
 
     def _keys_per_query(self, entries: Entries | None) -> int:
         """Keys a query gathers: the window, and the compressed entries (CSA: at most top-k)."""

@@ -23,6 +23,7 @@ from pdmesh_engine.model.moe import (
     PlacedExperts,
 )
 from pdmesh_engine.model.rope import rope_inv_freq
+from pdmesh_kernels import mhc_collapse_triton, mhc_expand_triton, uses_triton
 
 
 class RMSNorm(nn.Module):
@@ -102,7 +103,18 @@ class HyperConnection(nn.Module):
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams [T, N, D] -> (block input [T, D], post [T, N], comb [T, N, N]) (fp32 weights)."""
+        """streams [T, N, D] -> (block input [T, D], post [T, N], comb [T, N, N]) (fp32 weights).
+        On CUDA (`uses_triton`): one Triton kernel (`pdmesh_kernels.v4_mhc`), the same math."""
+        if uses_triton(streams.device):
+            return mhc_collapse_triton(
+                streams,
+                self.fn.float(),
+                self.base.float(),
+                self.scale.float(),
+                self.iters,
+                self.eps,
+                self.norm_eps,
+            )
         n = self.n
         flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
         mixes = F.linear(flat, self.fn.float())
@@ -126,6 +138,10 @@ class HyperConnection(nn.Module):
     def expand(
         streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
     ) -> torch.Tensor:
+        """New streams: post * out + comb^T @ streams. On CUDA (`uses_triton`): one Triton kernel
+        (`pdmesh_kernels.v4_mhc`), which keeps post and comb in fp32."""
+        if uses_triton(streams.device):
+            return mhc_expand_triton(streams, out, post, comb)
         dtype = streams.dtype
         return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
             comb.to(dtype).transpose(-1, -2), streams
