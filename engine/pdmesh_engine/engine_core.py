@@ -19,6 +19,7 @@ placement versions (`stage_placement(..., model="draft")`), switched like the ta
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdmesh_engine.config import EngineConfig
+from pdmesh_engine.grammar import GrammarCompiler
 from pdmesh_engine.kv_cache import KVCacheStats
 from pdmesh_engine.kv_window import WindowedKVManager
 from pdmesh_engine.model.registry import read_model_config
@@ -83,6 +85,7 @@ class EngineCore:
         """`dep`: this engine is one rank of a DEP instance (see pdmesh_engine.parallel.dep); step()
         is collective."""
         self.config = config or EngineConfig()
+        self.model_dir = Path(model_dir)
         self.model_config = read_model_config(model_dir)
         self.runner = ModelRunner(
             model_dir,
@@ -208,11 +211,24 @@ class EngineCore:
             max_model_len=self.max_model_len,
         )
         params.validate_for_vocab(self.model_config.vocab_size)
-        return Request(
+        request = Request(
             request_id or f"req-{next(self._ids)}",
             list(prompt_token_ids),
             params,
             eos_token_ids=self.model_config.eos_token_ids,
+        )
+        if params.grammar_kind is not None:
+            prior = params.prior_output_tokens  # a migrated request's tokens end its prompt
+            replay = prompt_token_ids[len(prompt_token_ids) - prior :] if prior else ()
+            request.grammar = self.grammars.start(params.grammar_kind, params.grammar, replay)
+        return request
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output grammars on this model's tokenizer (made at the first request
+        with a grammar)."""
+        return GrammarCompiler.from_model_dir(
+            self.model_dir, self.model_config.vocab_size, self.model_config.eos_token_ids
         )
 
     def step(self) -> list[StepOutput]:

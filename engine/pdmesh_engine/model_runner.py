@@ -40,6 +40,7 @@ from pdmesh_engine.config import EngineConfig, ModelConfig
 from pdmesh_engine.cpu_dtype import auto_cpu_dtype
 from pdmesh_engine.cuda_graphs import DecodeGraphs, capture_cuda, capture_eager
 from pdmesh_engine.forward_batch import ForwardBatch
+from pdmesh_engine.grammar import masks_beside
 from pdmesh_engine.model.deepseek_v3.model import DeepseekV3ForCausalLM
 from pdmesh_engine.model.deepseek_v3.runtime import V3Family, load_model
 from pdmesh_engine.model.deepseek_v4.model import DeepseekV4ForCausalLM
@@ -230,13 +231,18 @@ class ModelRunner:
             self.device,
             [self.window_tables(s.request_id) for s in items] if self.window_tables else None,
         )
+        sampling = [requests[s.request_id] for s in items if s.needs_sample]
+        masks = masks_beside(  # structured outputs' masks, computed beside the forward
+            [(r.grammar, row, ()) for row, r in enumerate(sampling)],
+            len(sampling),
+            self.model_config.vocab_size,
+        )
         if self.graphs is not None and self.graphs.takes(batch):
             hidden = self.graphs.run(batch, self.expert_load)
         else:
             hidden = self.model(batch, self.kv_caches, self.expert_load)
         if self.expert_load is not None:
             self.expert_load.end_step()
-        sampling = [requests[s.request_id] for s in items if s.needs_sample]
         if not sampling:
             return {}
         logits = self.model.compute_logits(hidden[batch.logits_indices])
@@ -245,6 +251,7 @@ class ModelRunner:
             [r.sampling_params for r in sampling],
             [self._generator(r) for r in sampling],
             [r.banned_token_ids() for r in sampling],
+            torch.from_numpy(masks.result()) if masks is not None else None,
         )
         return self._to_tokens(sampling, result)
 

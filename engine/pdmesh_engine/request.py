@@ -5,7 +5,8 @@ same loop. A request whose prompt KV is computed elsewhere waits in WAITING_FOR_
 reserved until the KV has arrived.
 
 Pure data: no tensors, no devices. A seeded request's random generator lives with the model runner,
-keyed by request id (see `ModelRunner`).
+keyed by request id (see `ModelRunner`). A structured-output request carries its grammar state
+(`pdmesh_engine.grammar.GrammarState`), which every appended output token advances.
 """
 
 from __future__ import annotations
@@ -13,8 +14,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdmesh_engine.sampling import SamplingParams, check_prompt
+
+if TYPE_CHECKING:
+    from pdmesh_engine.grammar import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -57,6 +62,8 @@ class Request:
     # speculative decoding: drafts for the tokens after the last one, verified in the next step
     # (proposed by the model runner at the end of this request's last step; dropped on preemption)
     spec_token_ids: list[int] = field(default_factory=list)
+    # structured outputs: where the output stands in the request's grammar (None: unconstrained)
+    grammar: GrammarState | None = None
 
     def __post_init__(self) -> None:
         check_prompt(self.prompt_token_ids)
@@ -81,11 +88,16 @@ class Request:
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """Token-level stop after the last appended token (stop strings are checked on text
         elsewhere)."""
         params, last = self.sampling_params, self.output_token_ids[-1]
+        if self.grammar is not None and self.grammar.failed:  # a token the grammar forbids
+            self.stop_reason = f"grammar: {self.grammar.error}"
+            return RequestStatus.FINISHED_ABORTED
         if self.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:
                 self.stop_reason = None

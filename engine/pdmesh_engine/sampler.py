@@ -1,7 +1,8 @@
 """Batched sampling of next tokens from logits, one `SamplingParams` per row.
 
 Order of operations per row (vLLM's v1 order):
-  1. ban `banned_token_ids` (set to -inf);
+  1. ban `banned_token_ids` and what the row's grammar forbids (`masks`, structured outputs) (set to
+     -inf);
   2. greedy rows (`params.is_greedy`) take argmax (ties -> lowest id) and stop here;
   3. divide by temperature;
   4. min-p: drop tokens whose prob < min_p * max prob;
@@ -72,13 +73,12 @@ class Sampler:
         params: Sequence[SamplingParams],  # [B]
         generators: Sequence[torch.Generator | None],  # [B], on logits.device
         banned_token_ids: Sequence[Sequence[int]] | None = None,  # [B][*] ids never to sample
+        masks: torch.Tensor | None = None,  # [B, V] bool, False: the row's grammar forbids it
     ) -> SamplerOutput:
         """Pick one token per row. Each row must keep at least one token not banned."""
         _check_inputs(logits, params, generators, banned_token_ids)
-        x = logits.float()  # [B, V]
-        raw = x  # raw logits for logprobs, before bans
-        if banned_token_ids is not None and any(len(row) for row in banned_token_ids):
-            x = _apply_bans(x, banned_token_ids)
+        raw = logits.float()  # [B, V] raw logits for logprobs, before bans
+        x = _banned(raw, banned_token_ids, masks)
         token_ids = row_argmax(x)  # [B]; final for greedy rows
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled_rows:
@@ -154,14 +154,13 @@ def _check_inputs(
 
 
 def banned_argmax(
-    logits: torch.Tensor, banned_token_ids: Sequence[Sequence[int]] | None = None
+    logits: torch.Tensor,
+    banned_token_ids: Sequence[Sequence[int]] | None = None,
+    masks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[B] int64: each row's greedy token (argmax of logits [B, V] after its bans; ties -> lowest
-    id), as `Sampler.__call__` picks for greedy rows."""
-    x = logits.float()
-    if banned_token_ids is not None and any(len(row) for row in banned_token_ids):
-        x = _apply_bans(x, banned_token_ids)
-    return row_argmax(x)
+    """[B] int64: each row's greedy token (argmax of logits [B, V] after its bans and grammar
+    masks; ties -> lowest id), as `Sampler.__call__` picks for greedy rows."""
+    return row_argmax(_banned(logits.float(), banned_token_ids, masks))
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -178,13 +177,29 @@ def filtered_probs(
     logits: torch.Tensor,  # [B, V]
     params: Sequence[SamplingParams],  # [B], non-greedy
     banned_token_ids: Sequence[Sequence[int]] | None = None,
+    masks: torch.Tensor | None = None,  # [B, V] bool grammar masks
 ) -> torch.Tensor:
-    """[B, V] fp32: the distribution a sampled row of `Sampler.__call__` draws from (bans, then
-    temperature, min-p, top-k, top-p, renormalised). Speculative decoding verifies with it."""
-    x = logits.float()
+    """[B, V] fp32: the distribution a sampled row of `Sampler.__call__` draws from (bans and
+    grammar masks, then temperature, min-p, top-k, top-p, renormalised). Speculative decoding
+    verifies with it."""
+    x = _banned(logits.float(), banned_token_ids, masks)
+    return torch.softmax(_filter_logits(x, params), dim=-1)
+
+
+def _banned(
+    x: torch.Tensor,
+    banned_token_ids: Sequence[Sequence[int]] | None,
+    masks: torch.Tensor | None,
+) -> torch.Tensor:
+    """x [B, V] fp32 with banned ids and the tokens a grammar mask forbids at -inf (x itself when
+    there is nothing to drop)."""
     if banned_token_ids is not None and any(len(row) for row in banned_token_ids):
         x = _apply_bans(x, banned_token_ids)
-    return torch.softmax(_filter_logits(x, params), dim=-1)
+    if masks is not None:
+        if masks.shape != x.shape:
+            raise ValueError(f"masks must be [B, V] = {tuple(x.shape)}, got {tuple(masks.shape)}")
+        x = x.masked_fill(~masks.to(x.device), float("-inf"))
+    return x
 
 
 def _apply_bans(x: torch.Tensor, banned_token_ids: Sequence[Sequence[int]]) -> torch.Tensor:

@@ -26,6 +26,10 @@ MAX_TEMPERATURE = 100.0
 GREEDY_TEMPERATURE_EPS = 1e-5
 INT32_MAX, UINT32_MAX = 2**31 - 1, 2**32 - 1  # the wire types of top_k / stop ids and max_tokens
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+# structured outputs (`pdmesh_engine.grammar`): a JSON schema, any JSON object, a regular
+# expression, a Lark grammar (llguidance's dialect), an EBNF grammar (GBNF, as llama.cpp and
+# vLLM's guided_grammar take it, or Lark), a JSON list of strings to choose from
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark", "ebnf", "choice")
 
 
 def _is_int(value: Any) -> bool:
@@ -98,10 +102,14 @@ class SamplingParams:
     # tokens of this request generated elsewhere before (a migrated request's prompt ends with
     # them): a seeded generator starts past their draws, so the continuation is the same
     prior_output_tokens: int = 0
+    # structured outputs: the output follows this grammar (`pdmesh_engine.grammar`); None: free
+    grammar_kind: str | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         self._validate_numbers()
         self._validate_stops()
+        self._validate_grammar()
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _check_bool(name, getattr(self, name))
 
@@ -172,6 +180,29 @@ class SamplingParams:
                 for t in ids
             ),
         )
+
+    def _validate_grammar(self) -> None:
+        """The kind is known and the text present where the kind needs one; whether the text
+        compiles is `pdmesh_engine.grammar.check_grammar`'s question (it needs the grammar
+        library)."""
+        kind, text = self.grammar_kind, self.grammar
+        if kind is None:
+            if text:
+                raise ValueError("grammar needs a grammar_kind")
+            return
+        if kind not in GRAMMAR_KINDS:
+            raise ValueError(
+                f"grammar_kind must be one of {', '.join(GRAMMAR_KINDS)}, got {kind!r}"
+            )
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"grammar must be a string, got {type(text).__name__}")
+        if kind != "json_object" and not text:
+            raise ValueError(f"grammar_kind {kind!r} needs the grammar's text in grammar")
+        # the grammar decides where the output ends: EOS is its last token
+        if self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with a grammar (structured outputs)")
+        if self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with a grammar (structured outputs)")
 
     @property
     def is_greedy(self) -> bool:

@@ -24,6 +24,10 @@ by then. Committing only accepted positions would need a second pass or a snapsh
 windows per step; recomputation costs nothing beyond the verify forward itself. Only verified
 positions are hashed for prefix caching, so a cached block never holds a rejected draft's state.
 
+Structured outputs: a verify row's target distribution is masked by what the request's grammar
+allows after the drafts before it (`_masks`), so a draft the grammar forbids is rejected and the
+emitted tokens are those of decoding without speculation; drafts are proposed unconstrained.
+
 Filters (bans, temperature, min-p, top-k, top-p) are applied to the target's distributions p and to
 the draft's distributions q alike; q of a sampled (non-greedy) request's drafts is kept here, by
 request id, until its next step verifies them, and dropped when the request ends.
@@ -36,13 +40,16 @@ Legend: T tokens of the step, R logit rows, V vocabulary.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
-from pdmesh_engine.config import EngineConfig
+from pdmesh_engine.config import EngineConfig, ModelConfig
 from pdmesh_engine.forward_batch import ForwardBatch
+from pdmesh_engine.grammar import masks_beside
 from pdmesh_engine.model.deepseek_v3.model import DeepseekV3ForCausalLM
 from pdmesh_engine.model.deepseek_v4.kv import V4Cache
 from pdmesh_engine.model.deepseek_v4.model import DeepseekV4ForCausalLM
@@ -58,6 +65,7 @@ class TargetRunner(Protocol):
     """What verification reads of the runner that owns the target model (`ModelRunner`)."""
 
     config: EngineConfig
+    model_config: ModelConfig
     device: torch.device
     model: DeepseekV3ForCausalLM | DeepseekV4ForCausalLM
     kv_caches: torch.Tensor | V4Cache  # V3's paged pool, V4's pools
@@ -111,11 +119,12 @@ class SpecDecoder:
     ) -> dict[str, SpecTokens]:
         runner = self.runner
         items, batch = self._build(output.scheduled, requests)
+        sampling = [item for item in items if item.scheduled.needs_sample]
+        masks = self._masks(sampling)
         hidden, states = self._forward(batch)
         if runner.expert_load is not None:
             runner.expert_load.end_step()
-        sampling = [item for item in items if item.scheduled.needs_sample]
-        verdicts = self._verify(hidden, sampling) if sampling else []
+        verdicts = self._verify(hidden, sampling, masks) if sampling else []
         next_ids = self._next_ids(items, dict(zip(map(id, sampling), verdicts, strict=True)))
         seqs = [self._propose_seq(item, v) for item, v in zip(sampling, verdicts, strict=True)]
         emitted = [len(v.tokens) for v in verdicts]
@@ -192,10 +201,24 @@ class SpecDecoder:
         )
         return items, batch
 
-    def _verify(self, hidden: torch.Tensor, sampling: list[_Item]) -> list[_Verdict]:
+    def _masks(self, sampling: list[_Item]) -> Future[np.ndarray] | None:
+        """The grammar masks of the verify rows (`_verify`'s order: 1 + k rows an item), started
+        beside the forward: row i of an item is what its grammar allows after its first i drafts
+        (a draft the grammar forbids is then never accepted)."""
+        rows, offset = [], 0
+        for item in sampling:
+            drafts = item.scheduled.token_ids[len(item.scheduled.token_ids) - item.num_drafts :]
+            rows.append((item.request.grammar, offset, drafts))
+            offset += item.num_drafts + 1
+        return masks_beside(rows, offset, self.runner.model_config.vocab_size)
+
+    def _verify(
+        self, hidden: torch.Tensor, sampling: list[_Item], masks: Future[np.ndarray] | None
+    ) -> list[_Verdict]:
         """Each sampling item's emitted tokens: greedy items by `greedy_accept`, sampled ones by
         `rejection_sample` against the draft distributions kept from their previous step. Row i
-        of an item (the token after its i-th draft) bans what the i-th next output must not be."""
+        of an item (the token after its i-th draft) bans what the i-th next output must not be,
+        and what its grammar forbids there."""
         offsets, rows, bans = [], [], []
         for item in sampling:
             offsets.append(len(rows))
@@ -210,9 +233,14 @@ class SpecDecoder:
         is_greedy = [item.request.sampling_params.is_greedy for item in sampling]
         greedy_rows = [r for b, span in enumerate(spans) if is_greedy[b] for r in span]
         sampled_rows = [r for b, span in enumerate(spans) if not is_greedy[b] for r in span]
+        allowed = torch.from_numpy(masks.result()).to(logits.device) if masks is not None else None
         argmax: dict[int, int] = {}
         if greedy_rows:
-            ids = banned_argmax(self._select(logits, greedy_rows), [bans[r] for r in greedy_rows])
+            ids = banned_argmax(
+                self._select(logits, greedy_rows),
+                [bans[r] for r in greedy_rows],
+                self._select(allowed, greedy_rows) if allowed is not None else None,
+            )
             argmax = dict(zip(greedy_rows, ids.tolist(), strict=True))
         probs = torch.empty(0)
         if sampled_rows:
@@ -225,6 +253,7 @@ class SpecDecoder:
                     for _ in spans[b]
                 ],
                 [bans[r] for r in sampled_rows],
+                self._select(allowed, sampled_rows) if allowed is not None else None,
             )
         outcomes: list[tuple[list[int], int]] = []
         first_prob_row = 0
