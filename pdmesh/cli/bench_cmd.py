@@ -20,6 +20,7 @@ BENCHMARKS = (
     "admission",
     "routing",
     "overload",
+    "grammar",
 )
 
 

@@ -72,11 +72,19 @@ def valid_params(draw: st.DrawFn) -> SamplingParams:
         "include_stop_str_in_output": st.booleans(),
         "skip_special_tokens": st.booleans(),
         "prior_output_tokens": UINT32,
+        # drawn together below: a kind with its text (the engine compiles it; here it only travels)
+        "grammar_kind": st.none(),
+        "grammar": st.none(),
     }
     names = [f.name for f in dataclasses.fields(SamplingParams)]
     unknown = set(names) - set(fields)
     assert not unknown, f"no strategy for the new sampling field(s) {unknown}"
-    return SamplingParams(**{n: draw(fields[n]) for n in names})
+    values = {n: draw(fields[n]) for n in names}
+    kind = draw(st.none() | st.sampled_from(sampling.GRAMMAR_KINDS))
+    if kind is not None:  # a grammar ends the output itself: no ignore_eos, no min_tokens
+        text = None if kind == "json_object" else draw(TEXT.filter(bool))
+        values |= {"grammar_kind": kind, "grammar": text, "ignore_eos": False, "min_tokens": 0}
+    return SamplingParams(**values)
 
 
 def _as_received(params: SamplingParams) -> SamplingParams:
