@@ -105,6 +105,11 @@ class SamplingParams:
     # structured outputs: the output follows this grammar (`pdmesh_engine.grammar`); None: free
     grammar_kind: str | None = None
     grammar: str | None = None
+    # not sampling, but what travels with the request to every engine: the prefix-cache salt
+    # (requests share cached blocks only with the same salt) and the scheduling priority (vLLM's
+    # meaning: lower runs first)
+    cache_salt: str | None = None
+    priority: int = 0
 
     def __post_init__(self) -> None:
         self._validate_numbers()
@@ -160,6 +165,12 @@ class SamplingParams:
                 "prior_output_tokens", self.prior_output_tokens, 0, UINT32_MAX, "in [0, 2**32 - 1]"
             ),
         )
+        self._set(
+            "priority",
+            _check_int("priority", self.priority, -INT32_MAX - 1, INT32_MAX, "in int32's range"),
+        )
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(self.cache_salt).__name__}")
         if self.logprobs is not None:
             self._set(
                 "logprobs",

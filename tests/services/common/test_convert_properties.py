@@ -75,6 +75,8 @@ def valid_params(draw: st.DrawFn) -> SamplingParams:
         # drawn together below: a kind with its text (the engine compiles it; here it only travels)
         "grammar_kind": st.none(),
         "grammar": st.none(),
+        "cache_salt": st.none() | TEXT,
+        "priority": st.integers(-(2**31), 2**31 - 1),
     }
     names = [f.name for f in dataclasses.fields(SamplingParams)]
     unknown = set(names) - set(fields)
