@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from spec_checks import check_drafts_repeat
 
 from pdmesh.cli.main import main as cli_main
 from pdmesh_engine import LLM, EngineConfig, EngineCore, SamplingParams
@@ -121,23 +122,10 @@ def test_drafts_equal_the_proposer_run_from_scratch(
     request_id = engine.add_request(
         prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     )
-    checked = 0
-    while engine.has_unfinished:
-        engine.step()
-        request = engine.scheduler.requests.get(request_id)
-        if request is None:
-            break
-        fresh = EngineCore(spec_models["tiny"], config)
-        fresh_id = fresh.add_request(
-            request.all_token_ids[:-1],
-            SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
-        )
-        fresh.step()
-        again = fresh.scheduler.requests[fresh_id]
-        assert again.all_token_ids == request.all_token_ids
-        assert again.spec_token_ids == request.spec_token_ids
-        checked += 1
-    assert checked >= 5
+    assert (
+        check_drafts_repeat(engine, request_id, lambda: EngineCore(spec_models["tiny"], config))
+        >= 5
+    )
     assert engine.kv_stats().prefix_hits == (16 if warm else 0)  # 2 blocks hit, the last dropped
 
 

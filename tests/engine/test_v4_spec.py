@@ -30,6 +30,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
+from spec_checks import check_drafts_repeat
 
 from pdmesh.tools.model_init import init_model
 from pdmesh.tools.model_init_v4 import mtp_specs
@@ -145,23 +146,7 @@ def test_drafts_equal_the_proposer_run_from_scratch(
     request_id = engine.add_request(
         prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     )
-    checked = 0
-    while engine.has_unfinished:
-        engine.step()
-        request = engine.scheduler.requests.get(request_id)
-        if request is None:
-            break
-        fresh = EngineCore(path, config)
-        fresh_id = fresh.add_request(
-            request.all_token_ids[:-1],
-            SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
-        )
-        fresh.step()
-        again = fresh.scheduler.requests[fresh_id]
-        assert again.all_token_ids == request.all_token_ids
-        assert again.spec_token_ids == request.spec_token_ids
-        checked += 1
-    assert checked >= 5
+    assert check_drafts_repeat(engine, request_id, lambda: EngineCore(path, config)) >= 5
     assert engine.kv_stats().prefix_hits == (block if warm else 0)  # 2 blocks hit, 1 dropped
 
 

@@ -9,29 +9,18 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import; see confte
 
 import pytest
 import torch
+from triton_checks import needs_triton, require_interpreted
 
+from pdmesh_kernels import mla_decode as mla
 from pdmesh_kernels import (
-    HAS_TRITON,
     mla_decode_attention,
     mla_decode_attention_ref,
     mla_decode_attention_triton,
 )
-from pdmesh_kernels import mla_decode as mla
 
 # B: batch, H: heads, L: kv_lora_rank, R: rope dim, BS: block size.
 
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 GARBAGE = 100.0  # fills cache slots no sequence may read; a masking bug shows up as a large error
-
-
-def _require_interpreter() -> None:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(mla._mla_decode_split_kernel, InterpretedFunction):
-        pytest.fail(
-            "triton was imported before TRITON_INTERPRET=1 was set: set it in a conftest "
-            "loaded earlier (tests/conftest.py)"
-        )
 
 
 def _make_case(
@@ -117,7 +106,7 @@ def test_reference_bf16_keeps_dtype_and_is_close() -> None:
 @pytest.mark.parametrize("num_kv_splits", [1, 3, None])
 @pytest.mark.parametrize("case", CASES)
 def test_triton_matches_reference_fp32(case, num_kv_splits) -> None:
-    _require_interpreter()
+    require_interpreted(mla._mla_decode_split_kernel)
     batch, heads, lat, rope, block_size, lens = case
     args = _make_case(batch, heads, lat, rope, block_size, lens, seed=1)
     expected = mla_decode_attention_ref(*args, scale=0.25)
@@ -131,7 +120,7 @@ def test_triton_matches_reference_fp32(case, num_kv_splits) -> None:
 def test_triton_matches_reference_bf16(num_kv_splits) -> None:
     # bf16 tolerance 2e-2 (bf16 output rounding; on CUDA also the bf16 p @ c). The interpreter
     # runs tl.dot in fp32 (UPCAST_DOT), so this checks bf16 loads, casts and stores.
-    _require_interpreter()
+    require_interpreted(mla._mla_decode_split_kernel)
     args = _make_case(3, 4, 32, 16, 4, [5, 13, 2], dtype=torch.bfloat16, seed=2)
     expected = mla_decode_attention_ref(*args, scale=0.2)
     out = mla_decode_attention_triton(*args, scale=0.2, num_kv_splits=num_kv_splits)
@@ -141,7 +130,7 @@ def test_triton_matches_reference_bf16(num_kv_splits) -> None:
 
 @needs_triton
 def test_more_splits_than_tokens_leaves_empty_splits_harmless() -> None:
-    _require_interpreter()
+    require_interpreted(mla._mla_decode_split_kernel)
     args = _make_case(3, 4, 16, 8, 4, [1, 2, 6], seed=3)
     expected = mla_decode_attention_ref(*args, scale=0.5)
     out = mla_decode_attention_triton(*args, scale=0.5, num_kv_splits=4)
@@ -158,7 +147,7 @@ def test_dispatcher_uses_reference_on_cpu() -> None:
 
 @needs_triton
 def test_dispatcher_forced_triton() -> None:
-    _require_interpreter()
+    require_interpreted(mla._mla_decode_split_kernel)
     args = _make_case(3, 4, 16, 8, 4, [5, 9, 2], seed=5)
     out = mla_decode_attention(*args, scale=0.3, use_triton=True)
     torch.testing.assert_close(

@@ -10,6 +10,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import; see confte
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_checks import needs_triton, require_interpreted
 
 from pdmesh_kernels import (
     HAS_TRITON,
@@ -21,18 +22,6 @@ from pdmesh_kernels import (
 )
 
 # T: tokens, K: experts per token, E: experts, D: hidden, I: intermediate, N: sorted rows.
-
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-
-
-def _require_interpreter() -> None:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(moe._grouped_gemm_kernel, InterpretedFunction):
-        pytest.fail(
-            "triton was imported before TRITON_INTERPRET=1 was set: set it in a conftest "
-            "loaded earlier (tests/conftest.py)"
-        )
 
 
 def _weights(experts: int, dim: int, inter: int, gen: torch.Generator):
@@ -115,7 +104,7 @@ def test_fused_moe_reference_matches_naive_loop(case) -> None:
 @needs_triton
 @pytest.mark.parametrize("case", COUNT_CASES)
 def test_grouped_triton_matches_reference_fp32(case) -> None:
-    _require_interpreter()
+    require_interpreted(moe._grouped_gemm_kernel)
     counts, dim, inter = case
     gen = torch.Generator().manual_seed(2)
     w13, w2 = _weights(len(counts), dim, inter, gen)
@@ -129,7 +118,7 @@ def test_grouped_triton_matches_reference_fp32(case) -> None:
 @needs_triton
 @pytest.mark.parametrize("case", ROUTING_CASES)
 def test_fused_moe_triton_matches_reference_fp32(case) -> None:
-    _require_interpreter()
+    require_interpreted(moe._grouped_gemm_kernel)
     tokens, experts, top_k, dim, inter = case
     gen = torch.Generator().manual_seed(3)
     w13, w2 = _weights(experts, dim, inter, gen)
@@ -144,7 +133,7 @@ def test_fused_moe_triton_matches_reference_fp32(case) -> None:
 def test_fused_moe_triton_matches_reference_bf16() -> None:
     # bf16 tolerance 3e-2: the reference rounds gate/up to bf16 before silu, the kernel does not.
     # The interpreter runs tl.dot in fp32 (UPCAST_DOT), so this checks bf16 loads, casts, stores.
-    _require_interpreter()
+    require_interpreted(moe._grouped_gemm_kernel)
     gen = torch.Generator().manual_seed(4)
     w13, w2 = _weights(8, 48, 40, gen)
     hidden = torch.randn(33, 48, generator=gen)

@@ -10,13 +10,13 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import; see confte
 
 import pytest
 import torch
+from triton_checks import TOLERANCE, needs_triton, require_interpreted
 
 from pdmesh.tools.model_init_v4 import v4_preset_config
 from pdmesh_engine.model.deepseek_v4.attention import Compressor
 from pdmesh_engine.model.deepseek_v4.blocks import Rope, apply_rope
 from pdmesh_engine.model.deepseek_v4.config import V4Config
 from pdmesh_kernels import (
-    HAS_TRITON,
     compressor_pool,
     compressor_pool_ref,
     compressor_pool_triton,
@@ -25,19 +25,7 @@ from pdmesh_kernels import (
 
 # C: closing windows, S: series, D: entry channels, BS: block size.
 
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 GARBAGE = 100.0  # fills row slots no window may read; a misread shows up as a large error
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
-
-
-def _require_interpreter() -> None:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(v4_compressor._compressor_pool_kernel, InterpretedFunction):
-        pytest.fail(
-            "triton was imported before TRITON_INTERPRET=1 was set: set it in a conftest "
-            "loaded earlier (tests/conftest.py)"
-        )
 
 
 def _make_step(
@@ -125,7 +113,7 @@ def test_reference_matches_engine_compressor(case) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES)
 def test_triton_matches_reference(case, dtype) -> None:
-    _require_interpreter()
+    require_interpreted(v4_compressor._compressor_pool_kernel)
     rate, series, dim, block_size, spans = case
     rows, slots, first, _, ape, weight = _make_step(
         spans, rate, series, dim, block_size, dtype=dtype, seed=2
@@ -138,7 +126,7 @@ def test_triton_matches_reference(case, dtype) -> None:
 
 @needs_triton
 def test_triton_int32_slots_and_no_closing_window() -> None:
-    _require_interpreter()
+    require_interpreted(v4_compressor._compressor_pool_kernel)
     rows, slots, first, _, ape, weight = _make_step([(1, 9), (0, 5)], 4, 2, 32, 16, seed=3)
     expected = compressor_pool_ref(rows, slots, first, ape, weight, 1e-6)
     out = compressor_pool_triton(rows, slots.int(), first, ape, weight, 1e-6)
@@ -158,7 +146,7 @@ def test_dispatcher_uses_reference_on_cpu() -> None:
 
 @needs_triton
 def test_dispatcher_forced_triton() -> None:
-    _require_interpreter()
+    require_interpreted(v4_compressor._compressor_pool_kernel)
     rows, slots, first, _, ape, weight = _make_step([(0, 13), (15, 16)], 16, 1, 32, 16, seed=5)
     out = compressor_pool(rows, slots, first, ape, weight, 1e-6, use_triton=True)
     assert _rel_err(out, compressor_pool_ref(rows, slots, first, ape, weight, 1e-6)) <= 1e-4

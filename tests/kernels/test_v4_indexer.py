@@ -9,11 +9,11 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import; see confte
 
 import pytest
 import torch
+from triton_checks import TOLERANCE, needs_triton, require_interpreted
 from v4_cases import engine_layer, paged_step, pool
 
 from pdmesh_engine.model.deepseek_v4.config import CSA
 from pdmesh_kernels import (
-    HAS_TRITON,
     force_triton,
     indexer_scores_ref,
     indexer_scores_triton,
@@ -24,16 +24,6 @@ from pdmesh_kernels import (
 from pdmesh_kernels import v4_indexer as indexer_module
 
 # Hi: indexer heads, Ci: indexer head dim, rate: CSA compress rate.
-
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
-
-
-def _require_interpreter() -> None:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(indexer_module._indexer_scores_kernel, InterpretedFunction):
-        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set (tests/conftest.py)")
 
 
 def _make_case(heads, dim, seqs, dtype=torch.float32, seed=0, rate=4):
@@ -82,7 +72,7 @@ def test_reference_equals_engine_indexer() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES)
 def test_triton_matches_reference(case, dtype) -> None:
-    _require_interpreter()
+    require_interpreted(indexer_module._indexer_scores_kernel)
     heads, dim, top_k, seqs = case
     args = _make_case(heads, dim, seqs, dtype, seed=heads + dim)
     visible = args[-1]
@@ -103,7 +93,7 @@ def test_triton_matches_reference(case, dtype) -> None:
 
 @needs_triton
 def test_triton_on_the_engine_step() -> None:
-    _require_interpreter()
+    require_interpreted(indexer_module._indexer_scores_kernel)
     layer = engine_layer(CSA, seed=1)
     entries = layer.step.entries[CSA]
     args = (layer.index_q, layer.index_weights, layer.index, entries.slots, layer.step.token_seq)
@@ -121,7 +111,7 @@ def test_dispatcher_uses_reference_on_cpu() -> None:
 
 @needs_triton
 def test_dispatcher_forced_triton() -> None:
-    _require_interpreter()
+    require_interpreted(indexer_module._indexer_scores_kernel)
     args = _make_case(16, 16, [(20, 3), (9, 1)], seed=4)
     with force_triton():
         chosen, ok = indexer_topk(*args, 4)

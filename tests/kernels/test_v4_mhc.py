@@ -10,12 +10,12 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import; see confte
 
 import pytest
 import torch
+from triton_checks import TOLERANCE, needs_triton, require_interpreted
 
 from pdmesh.tools.model_init_v4 import v4_preset_config
 from pdmesh_engine.model.deepseek_v4.blocks import HyperConnection
 from pdmesh_engine.model.deepseek_v4.config import V4Config
 from pdmesh_kernels import (
-    HAS_TRITON,
     mhc_collapse,
     mhc_collapse_ref,
     mhc_collapse_triton,
@@ -27,19 +27,7 @@ from pdmesh_kernels import (
 
 # T: tokens, N: hc_mult, D: hidden size, M: (2 + N) * N.
 
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 ITERS, HC_EPS, NORM_EPS = 20, 1e-6, 1e-6  # the presets' hc_sinkhorn_iters, hc_eps, rms_norm_eps
-
-
-def _require_interpreter() -> None:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(v4_mhc._mhc_collapse_kernel, InterpretedFunction):
-        pytest.fail(
-            "triton was imported before TRITON_INTERPRET=1 was set: set it in a conftest "
-            "loaded earlier (tests/conftest.py)"
-        )
 
 
 def _make_case(tokens: int, n: int, hidden: int, dtype=torch.float32, seed: int = 0):
@@ -102,7 +90,7 @@ def test_reference_comb_is_doubly_stochastic() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES)
 def test_triton_collapse_matches_reference(case, dtype) -> None:
-    _require_interpreter()
+    require_interpreted(v4_mhc._mhc_collapse_kernel)
     tokens, n, hidden = case
     streams, fn, base, scale, _ = _make_case(tokens, n, hidden, dtype, seed=3)
     expected = mhc_collapse_ref(streams, fn, base, scale, ITERS, HC_EPS, NORM_EPS)
@@ -118,7 +106,7 @@ def test_triton_collapse_matches_reference(case, dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES)
 def test_triton_expand_matches_reference(case, dtype) -> None:
-    _require_interpreter()
+    require_interpreted(v4_mhc._mhc_collapse_kernel)
     tokens, n, hidden = case
     streams, fn, base, scale, out = _make_case(tokens, n, hidden, dtype, seed=4)
     _, post, comb = mhc_collapse_ref(streams, fn, base, scale, ITERS, HC_EPS, NORM_EPS)
@@ -131,7 +119,7 @@ def test_triton_expand_matches_reference(case, dtype) -> None:
 @needs_triton
 def test_triton_strided_streams_and_no_tokens() -> None:
     """Streams as a slice of a wider buffer (strided tokens and streams); an empty step."""
-    _require_interpreter()
+    require_interpreted(v4_mhc._mhc_collapse_kernel)
     streams, fn, base, scale, out = _make_case(5, 3, 64, seed=5)
     wide = torch.zeros(5, 4, 80)
     wide[:, :3, :64] = streams
@@ -160,7 +148,7 @@ def test_dispatchers_use_reference_on_cpu() -> None:
 
 @needs_triton
 def test_dispatchers_forced_triton() -> None:
-    _require_interpreter()
+    require_interpreted(v4_mhc._mhc_collapse_kernel)
     streams, fn, base, scale, out = _make_case(4, 4, 64, seed=7)
     ours = mhc_collapse(streams, fn, base, scale, ITERS, HC_EPS, NORM_EPS, use_triton=True)
     expected = mhc_collapse_ref(streams, fn, base, scale, ITERS, HC_EPS, NORM_EPS)

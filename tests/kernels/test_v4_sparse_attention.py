@@ -10,6 +10,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import; see confte
 
 import pytest
 import torch
+from triton_checks import TOLERANCE, needs_triton, require_interpreted
 from v4_cases import engine_layer, paged_step, pool
 
 from pdmesh_engine.model.deepseek_v4.config import CSA, HCA, SLIDING
@@ -25,16 +26,6 @@ from pdmesh_kernels.v4_indexer import select_top_k
 
 # H: heads, C: head_dim, W: window, rate: compress rate, top_k: CSA's chosen entries (None: HCA,
 # every visible entry; 0: a sliding layer, no entries).
-
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
-
-
-def _require_interpreter() -> None:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(attention_module._v4_sparse_attention_kernel, InterpretedFunction):
-        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set (tests/conftest.py)")
 
 
 def _make_case(heads, dim, window, rate, top_k, seqs, dtype=torch.float32, seed=0):
@@ -100,7 +91,7 @@ def test_reference_equals_engine_attention(kind) -> None:
     out = v4_attention_ref(*args, attn.dim**-0.5, **kwargs)
     torch.testing.assert_close(out, layer.out, atol=1e-6, rtol=1e-5)
     if HAS_TRITON:
-        _require_interpreter()
+        require_interpreted(attention_module._v4_sparse_attention_kernel)
         triton_out = v4_attention_triton(*args, attn.dim**-0.5, **kwargs)
         assert _rel_err(triton_out, layer.out) <= 1e-4
 
@@ -109,7 +100,7 @@ def test_reference_equals_engine_attention(kind) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES)
 def test_triton_matches_reference(case, dtype) -> None:
-    _require_interpreter()
+    require_interpreted(attention_module._v4_sparse_attention_kernel)
     args, kwargs = _make_case(*case, dtype=dtype, seed=case[0] + case[1] + case[3])
     ref = v4_attention_ref(*args, **kwargs)
     out = v4_attention_triton(*args, **kwargs)
@@ -135,7 +126,7 @@ def test_dispatcher_uses_reference_on_cpu() -> None:
 
 @needs_triton
 def test_dispatcher_forced_triton() -> None:
-    _require_interpreter()
+    require_interpreted(attention_module._v4_sparse_attention_kernel)
     args, kwargs = _make_case(4, 32, 16, 4, 8, [(20, 3), (9, 1)], seed=4)
     with force_triton():
         out = v4_attention(*args, **kwargs)

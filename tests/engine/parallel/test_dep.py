@@ -12,15 +12,13 @@ asserts.
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import load_results, spawn
 
 from pdmesh.tools.model_init import init_model
 from pdmesh_engine import LLM, EngineConfig, EngineCore, SamplingParams
@@ -46,20 +44,6 @@ def prompt(i: int) -> list[int]:
 
 def greedy(i: int) -> SamplingParams:
     return SamplingParams(max_tokens=MAX_TOKENS[i], temperature=0.0, ignore_eos=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(fn: Callable, nprocs: int, *args) -> None:
-    mp.spawn(fn, args=(nprocs, free_port(), *args), nprocs=nprocs, join=True)
-
-
-def load_results(out_dir: Path, name: str, nprocs: int) -> list[dict]:
-    return [torch.load(out_dir / f"{name}-{rank}.pt", weights_only=False) for rank in range(nprocs)]
 
 
 # ----- children -----

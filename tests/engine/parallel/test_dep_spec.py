@@ -16,12 +16,11 @@ saw; the test process asserts.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from ranks import load_results, spawn
 
 from pdmesh_engine import LLM, EngineConfig, EngineCore, SamplingParams
 from pdmesh_engine.forward_batch import ForwardBatch
@@ -53,16 +52,6 @@ def prompt(i: int) -> list[int]:
 
 def greedy(i: int) -> SamplingParams:
     return SamplingParams(max_tokens=MAX_TOKENS[i], temperature=0.0, ignore_eos=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def load_results(out_dir: Path, nprocs: int) -> list[dict]:
-    return [torch.load(out_dir / f"spec-{rank}.pt", weights_only=False) for rank in range(nprocs)]
 
 
 def owner(layout: str, i: int) -> int:
@@ -169,8 +158,8 @@ def reference(spec_models: dict[str, Path]) -> dict[int, list[int]]:
 @pytest.fixture(scope="module")
 def ranks(spec_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out_dir = tmp_path_factory.mktemp("dep-spec-out")
-    mp.spawn(_worker, args=(WORLD, free_port(), spec_models, out_dir), nprocs=WORLD, join=True)
-    return load_results(out_dir, WORLD)
+    spawn(_worker, WORLD, spec_models, out_dir)
+    return load_results(out_dir, "spec", WORLD)
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
