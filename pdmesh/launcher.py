@@ -371,11 +371,9 @@ class Mesh:
         return self.supervisor.wait_gave_up(timeout_s)
 
     def _record_restarts(self, records: dict[str, RestartRecord]) -> None:
-        import redis
+        from pdmesh_service.redis_client import connect_sync
 
-        client = redis.Redis.from_url(
-            self.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0
-        )
+        client = connect_sync(self.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
         try:
             record_restarts_sync(client, self.options.deployment, records)
         finally:

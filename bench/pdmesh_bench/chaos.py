@@ -11,6 +11,15 @@ a closed loop of --concurrency streaming /v1/completions for --duration seconds 
 random number of token chunks), while every --every seconds a role drawn from --kill loses a
 random live process to SIGKILL (`redis`: the embedded Redis) → leak check → report.
 
+KV corruption (`--corrupt-kv P`, alone or with kills): the prefill ranks run their fault hook
+(`--fault-corrupt-kv P`: each hand-off's WRITE flips one byte in flight with probability P, seeded
+by --seed and the rank) and, unless --worker-args sets --kv-digest, `--kv-digest all`, so decode
+checks every hand-off and fails the corrupted ones closed (the gateway retries them). The report's
+`kv_corruption` compares the corruptions injected with the digest mismatches counted (from the leak
+check's statuses, over the whole run, references included); they must be equal and non-zero unless
+a worker restarted (its counts went with it). Any corruption that got through shows up as
+completed_wrong.
+
 A request is (`classify`): aborted (the client closed early on purpose), hung (no end within
 --timeout-s), errored (an HTTP status other than 200, an error event, a stream broken or ended
 without [DONE]), completed_correct (text, usage.completion_tokens and usage.prompt_tokens equal to
@@ -61,6 +70,8 @@ from pdmesh_bench.chaos_core import (
     Outcome,
     Reference,
     build_cases,
+    corruption_failures,
+    corruption_report,
     counter_total,
     fault_schedule,
     http_error,
@@ -96,6 +107,7 @@ class ChaosOptions:
     seed: int = 0
     host: str = "127.0.0.1"
     worker_args: str = ""  # engine options of the prefill and decode ranks (one shell string)
+    corrupt_kv: float = 0.0  # probability a hand-off's KV WRITE flips one byte (fault hook)
     log_dir: str = "pdmesh-logs/chaos"
     progress_s: float = 5.0
     out: str | None = None
@@ -130,6 +142,10 @@ class ChaosOptions:
             raise ValueError(f"--abort-fraction must be in [0, 1], got {self.abort_fraction}")
         if self.max_requests is not None and self.max_requests < 1:
             raise ValueError("--max-requests must be >= 1")
+        if not 0.0 <= self.corrupt_kv <= 1.0:
+            raise ValueError(f"--corrupt-kv must be in [0, 1], got {self.corrupt_kv}")
+        if self.corrupt_kv and self.mode == "agg":
+            raise ValueError("--corrupt-kv needs --mode disagg (an agg mesh hands nothing off)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -163,6 +179,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--worker-args",
         default=d.worker_args,
         help='engine options, one string: --worker-args="--num-blocks 160"',
+    )
+    p.add_argument(
+        "--corrupt-kv",
+        type=float,
+        default=d.corrupt_kv,
+        metavar="P",
+        help="flip one byte of a KV hand-off's WRITE in flight with probability P (prefill's fault "
+        "hook; decode runs --kv-digest all unless --worker-args sets it); every corruption must be "
+        "counted and no output wrong",
     )
     p.add_argument("--log-dir", default=d.log_dir, help="the mesh's logs")
     p.add_argument("--progress-s", type=float, default=d.progress_s)
@@ -211,11 +236,21 @@ def mesh_options(o: ChaosOptions) -> MeshOptions:
         grpc_port=free_port(o.host),
         deployment=f"chaos-{os.getpid()}",
         log_dir=Path(o.log_dir),
-        worker_args=tuple(shlex.split(o.worker_args)),
+        worker_args=worker_argv(o),
         restart_policy=RestartPolicy(
             max_restarts=o.max_restarts, backoff_s=0.5, max_backoff_s=2.0, healthy_s=5.0
         ),
     )
+
+
+def worker_argv(o: ChaosOptions) -> tuple[str, ...]:
+    """--worker-args, plus the fault hook and the digest with --corrupt-kv."""
+    argv = shlex.split(o.worker_args)
+    if o.corrupt_kv > 0:
+        argv += ["--fault-corrupt-kv", str(o.corrupt_kv), "--fault-seed", str(o.seed)]
+        if not any(a == "--kv-digest" or a.startswith("--kv-digest=") for a in argv):
+            argv += ["--kv-digest", "all"]
+    return tuple(argv)
 
 
 def _say(line: str) -> None:
@@ -256,6 +291,10 @@ async def _chaos(o: ChaosOptions, control: MeshControl, cases: list[Case]) -> di
         run.counters_after = await read_counters(client, url)
         run.restarts = dict(control.mesh.restarts)
     report = summarize(run)
+    if o.corrupt_kv > 0:
+        restarted = any(run.restarts.values()) if run.restarts else False
+        report["kv_corruption"] = corruption_report(run.leak, restarted)
+        report["failures"] += corruption_failures(report["kv_corruption"])
     report["supervisor_gave_up"] = control.gave_up()
     if report["supervisor_gave_up"]:
         report["failures"].append(f"the supervisor gave up on {report['supervisor_gave_up']}")
@@ -374,6 +413,13 @@ def print_report(r: dict[str, Any]) -> None:
         print(f"  {name:<18} {'n/a' if value is None else f'{value:g}'}")
     for message, count in r["errors_by_message"].items():
         print(f"  {'':<18} {count} x {message}")
+    corruption = r.get("kv_corruption")
+    if corruption is not None:
+        exact = "" if corruption["exact"] else " (a worker restarted: not compared)"
+        print(
+            f"  {'kv corruption':<18} {corruption['injected']} injected, "
+            f"{corruption['caught']} caught by the digest{exact}"
+        )
     leaked = ", ".join(f"{k} {v}" for k, v in r["leaked_blocks"].items()) or "n/a"
     print(f"  {'leaked blocks':<18} {leaked}")
     restarts = r["restarts"]

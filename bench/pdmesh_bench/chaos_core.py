@@ -397,4 +397,33 @@ _STATUS_FIELDS = (
     "kv_quarantines",
     "transfer_failures",
     "requests_total",
+    "kv_digest_mismatches",
+    "kv_corruptions_injected",
 )
+
+
+def corruption_report(leak: dict[str, Any], restarted: bool) -> dict[str, Any]:
+    """`--corrupt-kv`: the KV corruptions the prefill ranks' fault hook injected and the digest
+    mismatches the decode ranks counted, summed over the leak check's statuses (counted since each
+    rank started: `exact` is False once a worker restarted, and then they are not compared)."""
+    ranks = [r for r in leak.get("ranks", {}).values() if r is not None]
+    return {
+        "injected": sum(r.get("kv_corruptions_injected", 0) for r in ranks),
+        "caught": sum(r.get("kv_digest_mismatches", 0) for r in ranks),
+        "exact": not restarted and not leak.get("unreachable"),
+    }
+
+
+def corruption_failures(corruption: dict[str, Any]) -> list[str]:
+    """Why a `--corrupt-kv` run failed on its counts: an injected corruption not counted on
+    decode (or one counted that was never injected), or none injected at all."""
+    if not corruption["exact"]:
+        return []
+    if corruption["injected"] == 0:
+        return ["--corrupt-kv injected no corruption (raise P or send more requests)"]
+    if corruption["injected"] != corruption["caught"]:
+        return [
+            f"{corruption['injected']} KV corruptions injected but {corruption['caught']} "
+            "digest mismatches counted"
+        ]
+    return []

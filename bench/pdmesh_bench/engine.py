@@ -33,6 +33,22 @@ engine's decode-only figures (c / decode step): `pdmesh_bench.llamacpp`.
 
 Memory: peak RSS (`ru_maxrss`) for the whole process, which holds both models; RSS after loading
 each model is reported as well. `kv_bytes_per_token` is the engine's paged latent cache per token.
+
+With `--constrained-share 0,0.5,1` it measures instead what structured outputs cost a decode step
+(no transformers): for each concurrency c (default 1,32; quick 1,2) and share s, c requests on one
+`EngineCore`, all added at once, round(s * c) of them constrained to a JSON schema
+(`pdmesh_bench.constrained.SCHEMAS` in turn, sized so that their output outlasts the measured
+steps; greedy or `--temperature`, seeded), the rest unconstrained with EOS ignored. Timed:
+`EngineCore.step` over the steps that decode all c requests and nothing else (no prefill), up to
+`--output-len` of them; then the unconstrained requests are aborted and the constrained ones run,
+untimed, to their end, and their outputs are validated against their schemas (`valid`). The same
+prompts serve every share of a round; `--rounds` alternate the order of the shares (a shared machine
+drifts); medians are reported. Per (c, s): the median decode step, the masking overhead
+step(s) / step(0) - 1 (also paired within each round), and the masks' own time from wrapping
+`pdmesh_engine.grammar.fill_masks` (`mask_ms`: computed on llguidance's threads beside the forward),
+the step's wait for them after its forward (`mask_wait_ms`: the part not hidden), and `fill_masks`
+timed alone, once, on the batch's constrained states as they stand after the window
+(`mask_alone_ms`).
 """
 
 from __future__ import annotations
@@ -40,6 +56,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
@@ -51,6 +68,7 @@ from typing import Any
 import torch
 
 from pdmesh.cli.options import resolve_model
+from pdmesh_bench.constrained import SCHEMAS, constrained_params, items_for, validation_error
 from pdmesh_bench.llamacpp import BatchedBenchRow, run_batched_bench
 from pdmesh_bench.machine import (
     DecodeCostModel,
@@ -63,9 +81,11 @@ from pdmesh_bench.machine import (
 )
 from pdmesh_bench.spec import run_spec
 from pdmesh_engine.engine_core import EngineCore
+from pdmesh_engine.grammar import fill_masks
 from pdmesh_engine.model.deepseek_v3.runtime import V3Family
 from pdmesh_engine.sampling import SamplingParams
 from pdmesh_engine.scheduler import SchedulerOutput
+from pdmesh_engine.tokenizer import Tokenizer
 from pdmesh_service.worker.engine_options import (
     add_engine_options,
     add_speculative_options,
@@ -110,14 +130,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--llama-batched-bench", type=Path, help="llama.cpp's llama-batched-bench")
     p.add_argument("--gguf", type=Path, help="a GGUF of the same checkpoint, for llama.cpp")
+    p.add_argument(
+        "--constrained-share",
+        default=None,
+        metavar="S,S,...",
+        help="measure instead the decode step with these shares (0..1) of JSON-schema-constrained "
+        "requests, side by side (e.g. 0,0.5,1; concurrency default 1,32)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="--constrained-share: sampling temperature of every request (default greedy)",
+    )
     add_engine_options(p)
     add_speculative_options(p, k_list=True)
     p.set_defaults(run=run)
 
 
 def _defaults(args: argparse.Namespace) -> list[int]:
+    constrained = getattr(args, "constrained_share", None) is not None
     for name, normal, small in (
-        ("concurrency", "1,8,32", "1,2"),
+        ("concurrency", "1,32" if constrained else "1,8,32", "1,2"),
         ("input_len", 256, 16),
         ("output_len", 128, 4),
     ):
@@ -345,6 +379,8 @@ def warm_up(engine: EngineCore, hf: Any, args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     levels = _defaults(args)
     model_dir = resolve_model(args.model)
+    if args.constrained_share is not None:
+        return run_constrained(args, model_dir, levels)
     load_avg = [os.getloadavg()[0]]
     _log(f"measuring machine peaks (threads={torch.get_num_threads()})")
     peaks = measure_peaks(args.quick)
@@ -495,3 +531,390 @@ def print_table(report: dict[str, Any]) -> None:
                 f"{r['concurrency']:>5} {ours or 0:>20.1f} "
                 f"{r['llamacpp_decode_tokens_per_s']:>16.1f} {ratio or 0:>6.2f}x"
             )
+
+
+# ----- schema-constrained requests (--constrained-share) -----
+class _TimedFuture:
+    """The masks' future of a step; `result()` records how long the step waited for it."""
+
+    def __init__(self, future: Any, waits: list[float]) -> None:
+        self.future, self.waits = future, waits
+
+    def result(self) -> Any:
+        start = time.perf_counter()
+        try:
+            return self.future.result()
+        finally:
+            self.waits.append(time.perf_counter() - start)
+
+
+class MaskTimer:
+    """While entered, times the grammar masks of every step: `fill_masks` where it runs (beside the
+    forward, on the masks' thread) and the step's wait for its result after the forward."""
+
+    def __init__(self) -> None:
+        self.fills: list[float] = []
+        self.waits: list[float] = []
+
+    def __enter__(self) -> MaskTimer:
+        from pdmesh_engine import grammar, model_runner
+
+        self._fill, self._beside = grammar.fill_masks, model_runner.masks_beside
+        fill, beside = self._fill, self._beside
+
+        def timed_fill(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fill(*args, **kwargs)
+            finally:
+                self.fills.append(time.perf_counter() - start)
+
+        def timed_beside(*args: Any, **kwargs: Any) -> Any:
+            future = beside(*args, **kwargs)
+            return None if future is None else _TimedFuture(future, self.waits)
+
+        grammar.fill_masks = timed_fill  # masks_beside looks it up when it submits
+        model_runner.masks_beside = timed_beside
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from pdmesh_engine import grammar, model_runner
+
+        grammar.fill_masks, model_runner.masks_beside = self._fill, self._beside
+
+    def take(self) -> tuple[float, float]:
+        """(fill seconds, wait seconds) since the last take."""
+        out = (sum(self.fills), sum(self.waits))
+        self.fills.clear()
+        self.waits.clear()
+        return out
+
+
+def parse_shares(text: str) -> list[float]:
+    try:
+        shares = [float(s) for s in text.split(",") if s.strip()]
+    except ValueError as e:
+        raise ValueError(
+            f"--constrained-share must be comma-separated numbers, got {text!r}"
+        ) from e
+    if not shares or not all(0.0 <= s <= 1.0 for s in shares) or len(set(shares)) < len(shares):
+        raise ValueError(f"--constrained-share must be distinct shares in [0, 1], got {text!r}")
+    return shares
+
+
+def constrained_count(share: float, c: int) -> int:
+    """round(share * c), halves up (share 0.5 of one request: one)."""
+    return int(share * c + 0.5)
+
+
+@dataclasses.dataclass
+class ConstrainedSetup:
+    """What the requests of a batch look like: the constrained ones' schemas are sized so that
+    their output outlasts the measured steps (the same schemas at every concurrency: their grammars
+    are compiled once, in the warm-up)."""
+
+    tokens_per_item: dict[str, int]  # the smallest item's tokens, per schema
+    output_len: int
+    input_len: int
+    max_model_len: int
+    prefill_steps: int  # steps the largest batch's prompts take (decodes run beside them)
+    temperature: float
+    seed: int
+
+    def _seed(self, i: int) -> int | None:
+        return None if self.temperature == 0 else self.seed * 1000 + i
+
+    def schema(self, i: int) -> tuple[dict[str, Any], str, int]:
+        """Request i's schema, its name and a max_tokens that its longest output fits in."""
+        spec = SCHEMAS[i % len(SCHEMAS)]
+        per_item = self.tokens_per_item[spec.name]
+        n = items_for(self.output_len + self.prefill_steps + 2, per_item)
+        room = self.max_model_len - self.input_len
+        return spec.schema(n, n + 1), spec.name, min(room, 4 * (n + 2) * per_item + 64)
+
+    def request(self, i: int) -> tuple[dict[str, Any], SamplingParams, str]:
+        """Constrained request i of a batch: its schema, params and the schema's name."""
+        schema, name, max_tokens = self.schema(i)
+        return schema, constrained_params(schema, max_tokens, self.temperature, self._seed(i)), name
+
+    def plain(self, i: int) -> SamplingParams:
+        """An unconstrained request, long enough to outlast the window (it is aborted after it)."""
+        return SamplingParams(
+            max_tokens=min(
+                self.max_model_len - self.input_len, self.output_len + self.prefill_steps + 2
+            ),
+            temperature=self.temperature,
+            seed=self._seed(i),
+            ignore_eos=True,
+        )
+
+
+def mask_alone(engine: EngineCore, request_ids: list[str]) -> float | None:
+    """Ms of one `fill_masks` over these requests' grammar states as they stand (each advanced over
+    its last token, its next mask not computed yet), with nothing running beside it. Once only:
+    llguidance keeps a state's mask, so a second call costs next to nothing."""
+    rows = [
+        (request.grammar, row, ())
+        for row, request in enumerate(engine.scheduler.requests[rid] for rid in request_ids)
+        if request.grammar is not None
+    ]
+    if not rows:
+        return None
+    start = time.perf_counter()
+    fill_masks(rows, len(rows), engine.model_config.vocab_size)
+    return (time.perf_counter() - start) * 1e3
+
+
+def run_shares_batch(
+    engine: EngineCore,
+    prompts: list[list[int]],
+    share: float,
+    setup: ConstrainedSetup,
+    tokenizer: Tokenizer,
+    timer: MaskTimer,
+) -> dict[str, Any]:
+    """One batch: c requests at once, round(share * c) constrained; times the full-batch decode
+    steps (at most output_len of them), then finishes the constrained requests and checks them."""
+    c = len(prompts)
+    k = constrained_count(share, c)
+    schemas: dict[str, tuple[dict[str, Any], str]] = {}
+    ids = []
+    for i, prompt in enumerate(prompts):
+        if i < k:
+            schema, params, name = setup.request(i)
+            rid = engine.add_request(prompt, params)
+            schemas[rid] = (schema, name)
+        else:
+            rid = engine.add_request(prompt, setup.plain(i))
+        ids.append(rid)
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    finished: dict[str, str | None] = {}
+    recorder = StepRecorder(engine)
+    steps: list[float] = []
+    fills: list[float] = []
+    waits: list[float] = []
+    cpu: list[float] = []  # this process's CPU seconds per wall second, of each measured step
+    timer.take()
+    while engine.has_unfinished and len(steps) < setup.output_len:
+        cpu_start = time.process_time()
+        outputs = recorder.step()
+        cpu_used = time.process_time() - cpu_start
+        fill, wait = timer.take()
+        elapsed, scheduled = recorder.steps[-1]
+        for out in outputs:
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                finished[out.request_id] = out.finish_reason
+        full = len(scheduled.scheduled) == c and all(
+            len(s.token_ids) == 1 for s in scheduled.scheduled
+        )
+        if full:
+            steps.append(elapsed)
+            fills.append(fill)
+            waits.append(wait)
+            cpu.append(cpu_used / elapsed)
+        elif steps:  # a request ended (or was preempted): the batch is no longer whole
+            break
+    alone = mask_alone(engine, [rid for rid in schemas if rid not in finished])
+    for rid in ids:
+        if rid not in schemas and rid not in finished:
+            engine.abort(rid)
+    while engine.has_unfinished:  # the constrained requests, untimed, to the end of their JSON
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                finished[out.request_id] = out.finish_reason
+    errors = []
+    for rid, (schema, name) in schemas.items():
+        text = tokenizer.decode(tokens[rid])
+        error = validation_error(text, schema)
+        if error is not None:
+            errors.append(f"{name} ({finished.get(rid)}, {len(tokens[rid])} tokens): {error}")
+    lengths = [len(tokens[rid]) for rid in schemas]
+    return {
+        "share": share,
+        "constrained": k,
+        "steps": len(steps),
+        "decode_step_ms": statistics.median(steps) * 1e3 if steps else None,
+        "mask_ms": statistics.median(fills) * 1e3 if steps and k else None,
+        "mask_wait_ms": statistics.median(waits) * 1e3 if steps and k else None,
+        "mask_alone_ms": alone,
+        "cpu_per_wall": statistics.median(cpu) if cpu else None,
+        "load_1min": os.getloadavg()[0],
+        "valid": k - len(errors),
+        "errors": errors[:3],
+        "constrained_tokens": (min(lengths), max(lengths)) if lengths else None,
+    }
+
+
+def share_rounds(
+    c: int,
+    shares: list[float],
+    args: argparse.Namespace,
+    engine: EngineCore,
+    setup: ConstrainedSetup,
+    tokenizer: Tokenizer,
+    timer: MaskTimer,
+) -> list[dict[str, Any]]:
+    """Every share `args.rounds` times on the same prompts within a round (fresh ones per round),
+    the order of the shares alternating between rounds; one row per share."""
+    runs: dict[float, list[dict[str, Any]]] = {s: [] for s in shares}
+    for r in range(args.rounds):
+        prompts = make_prompts(
+            engine.model_config.vocab_size, c, args.input_len, (args.seed * 1000 + c) * 100 + r
+        )
+        for s in shares if r % 2 == 0 else shares[::-1]:
+            run = run_shares_batch(engine, prompts, s, setup, tokenizer, timer)
+            runs[s].append(run)
+            _log(
+                f"concurrency {c}, round {r + 1}/{args.rounds}, share {s:g}: "
+                f"{run['steps']} steps, median {_ms(run['decode_step_ms'])} ms, "
+                f"CPU/wall {run['cpu_per_wall'] or 0:.2f}"
+            )
+    base = runs.get(0.0)
+    rows = []
+    for s in shares:
+        ours = runs[s]
+        step = _median(ours, "decode_step_ms")
+        paired = (
+            [
+                a["decode_step_ms"] / b["decode_step_ms"] - 1
+                for a, b in zip(ours, base, strict=True)
+                if a["decode_step_ms"] and b["decode_step_ms"]
+            ]
+            if base is not None
+            else []
+        )
+        base_step = _median(base, "decode_step_ms") if base is not None else None
+        rows.append(
+            {
+                "concurrency": c,
+                "share": s,
+                "constrained": ours[0]["constrained"],
+                "decode_step_ms": step,
+                "decode_step_ms_rounds": [run["decode_step_ms"] for run in ours],
+                "measured_steps": [run["steps"] for run in ours],
+                # a round whose steps got less CPU than the others shared the machine
+                "cpu_per_wall_rounds": [run["cpu_per_wall"] for run in ours],
+                "load_1min_rounds": [run["load_1min"] for run in ours],
+                "overhead": step / base_step - 1 if step and base_step else None,
+                "overhead_paired_median": statistics.median(paired) if paired else None,
+                "mask_ms": _median(ours, "mask_ms"),
+                "mask_wait_ms": _median(ours, "mask_wait_ms"),
+                "mask_alone_ms": _median(ours, "mask_alone_ms"),
+                "valid": sum(run["valid"] for run in ours),
+                "constrained_total": sum(run["constrained"] for run in ours),
+                "constrained_tokens": [run["constrained_tokens"] for run in ours],
+                "errors": [e for run in ours for e in run["errors"]][:3],
+            }
+        )
+    return rows
+
+
+def run_constrained(args: argparse.Namespace, model_dir: Path, levels: list[int]) -> int:
+    shares = parse_shares(args.constrained_share)
+    if args.num_speculative_tokens is not None or args.against != "transformers":
+        raise ValueError("--constrained-share runs the engine alone: no speculation, no --against")
+    if args.temperature < 0:
+        raise ValueError("--temperature must be >= 0")
+    load_avg = [os.getloadavg()[0]]
+    config = engine_config(args)
+    config = dataclasses.replace(
+        config, max_num_seqs=max(config.max_num_seqs, max(levels)), seed=args.seed
+    )
+    _log(f"loading the engine from {model_dir}")
+    engine = EngineCore(model_dir, config)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    setup = ConstrainedSetup(
+        {
+            spec.name: spec.item_tokens(lambda t: tokenizer.encode(t, add_special_tokens=False))
+            for spec in SCHEMAS
+        },
+        args.output_len,
+        args.input_len,
+        engine.max_model_len,
+        math.ceil(max(levels) * args.input_len / config.max_num_batched_tokens),
+        args.temperature,
+        args.seed,
+    )
+    timer = MaskTimer()
+    with timer:
+        # one constrained request per schema: compiles their grammars (kept by the engine) and
+        # builds llguidance's lazy lexers before anything is timed
+        _log("warming up")
+        warm = make_prompts(
+            engine.model_config.vocab_size,
+            len(SCHEMAS),
+            min(args.input_len, 32),
+            args.seed + 999_983,
+        )
+        run_shares_batch(engine, warm, 1.0, setup, tokenizer, timer)
+        results = [
+            row
+            for c in levels
+            for row in share_rounds(c, shares, args, engine, setup, tokenizer, timer)
+        ]
+    load_avg.append(os.getloadavg()[0])
+    report = {
+        "mode": "constrained",
+        "results": results,
+        "model": str(model_dir),
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "seed": args.seed,
+        "rounds": args.rounds,
+        "temperature": args.temperature,
+        "shares": shares,
+        "dtype": str(engine.runner.dtype).removeprefix("torch."),
+        "device": str(engine.runner.device),
+        "threads": torch.get_num_threads(),
+        "load_average_1min": load_avg,
+        "schemas": {spec.name: setup.schema(i)[0] for i, spec in enumerate(SCHEMAS)},
+        "tokens_per_item": setup.tokens_per_item,
+    }
+    print_constrained_table(report)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def _ms2(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:+.1f}%"
+
+
+def print_constrained_table(report: dict[str, Any]) -> None:
+    print(
+        f"decode step with JSON-schema-constrained requests: input {report['input_len']}, "
+        f"up to {report['output_len']} measured steps, temperature {report['temperature']:g}, "
+        f"{report['rounds']} round(s), {report['dtype']} on {report['device']}, "
+        f"{report['threads']} threads, load average {report['load_average_1min'][0]:.1f} -> "
+        f"{report['load_average_1min'][1]:.1f}"
+    )
+    print(
+        f"{'conc':>5} {'share':>6} {'constr':>7} {'step ms':>8} {'overhead':>9} {'paired':>8} "
+        f"{'mask ms':>8} {'alone ms':>9} {'wait ms':>8} {'steps':>6} {'valid':>8}"
+    )
+    for r in report["results"]:
+        steps = min(r["measured_steps"]) if r["measured_steps"] else 0
+        valid = f"{r['valid']}/{r['constrained_total']}" if r["constrained_total"] else "-"
+        print(
+            f"{r['concurrency']:>5} {r['share']:>6g} {r['constrained']:>7} "
+            f"{_ms(r['decode_step_ms']):>8} {_pct(r['overhead']):>9} "
+            f"{_pct(r['overhead_paired_median']):>8} {_ms2(r['mask_ms']):>8} "
+            f"{_ms2(r['mask_alone_ms']):>9} "
+            f"{_ms2(r['mask_wait_ms']):>8} {steps:>6} {valid:>8}"
+        )
+    print(
+        "overhead: step(share) / step(0) - 1 of the medians; paired: its median over rounds, each "
+        "against share 0 in the same round; mask ms: fill_masks beside the forward; alone ms: "
+        "fill_masks of the same batch's states with nothing beside it; wait ms: the step's wait "
+        "for the masks after its forward; steps: fewest measured in a round"
+    )
+    for r in report["results"]:
+        for error in r["errors"]:
+            print(f"conc {r['concurrency']} share {r['share']:g}: invalid output: {error}")

@@ -21,6 +21,20 @@ server reported cached (`cached_of_reusable`; its own block size and evictions m
 (`pdmesh_bench.plots`). `--dp-replay mirror|lag|both` replays every request once per DP rank,
 pinned with the `X-Data-Parallel-Rank` header, to measure what DP imbalance costs
 (`pdmesh_bench.dp_replay`).
+
+`--constrained-share S` (0..1): round(S * N) of the N requests, drawn with a `--seed`ed RNG, carry
+`response_format: {"type": "json_schema", ...}` with one of `pdmesh_bench.constrained.SCHEMAS`
+(drawn too), sized so that its JSON fits in the request's `max_tokens`; they are sent without
+`ignore_eos` (the grammar ends them, so they may be shorter than the rest). The report then has
+`structured`: TTFT/ITL/TPOT of the constrained and the unconstrained requests apart, and how many
+constrained outputs parse and validate against their schema (a JSON cut off at `max_tokens` does
+not). One run has one share; for the cost of constraining, run the same workload three times and
+compare the `--json` files (alternating the order over repeats on a noisy machine):
+
+    W="--synthetic --concurrency 8 --num-requests 64 --output-len 128"
+    pdmesh bench serve $W --constrained-share 0 --json s0.json
+    pdmesh bench serve $W --constrained-share 0.5 --json s50.json
+    pdmesh bench serve $W --constrained-share 1 --json s100.json
 """
 
 from __future__ import annotations
@@ -41,6 +55,13 @@ from urllib.parse import urlsplit
 import httpx
 
 from pdmesh_bench import plots
+from pdmesh_bench.constrained import (
+    BY_NAME,
+    choose_constrained,
+    response_format,
+    serve_schema,
+    validation_error,
+)
 from pdmesh_bench.traces import (
     P90_USER_DEFINITION,
     Job,
@@ -100,6 +121,7 @@ class ServeOptions:
     lag_s: float = 0.5  # lag: rank r's copies are sent r * lag_s late
     dp_rounds: int = 1  # both: this many lag replays, each between two mirror replays
     dp_size: int | None = None  # DP ranks to replay on (default: the prefill instance's dp_size)
+    constrained_share: float | None = None  # requests carrying a JSON schema (None: no report)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeOptions:
@@ -195,6 +217,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="both: K lag replays, each between two mirrors (default 1: mirror, lag, mirror)",
     )
     p.add_argument("--dp-size", type=int, help="DP ranks (default: from GET /mesh)")
+    p.add_argument(
+        "--constrained-share",
+        type=float,
+        metavar="S",
+        help="this share (0..1) of the requests, drawn with --seed, carries a response_format JSON "
+        "schema; TTFT/ITL reported apart for constrained and unconstrained requests",
+    )
     p.set_defaults(run=run)
 
 
@@ -271,6 +300,11 @@ def validate(o: ServeOptions) -> None:
         raise ValueError("--synthetic needs --rate R or --concurrency C")
     if o.timeout_s <= 0 or (o.duration_s is not None and o.duration_s <= 0):
         raise ValueError("--timeout-s and --duration-s must be > 0")
+    if o.constrained_share is not None:
+        if not 0.0 <= o.constrained_share <= 1.0:
+            raise ValueError(f"--constrained-share must be in [0, 1], got {o.constrained_share}")
+        if o.dp_replay is not None:
+            raise ValueError("--constrained-share does not combine with --dp-replay")
 
 
 def check_host(url: str, allow_remote: bool = False) -> None:
@@ -374,6 +408,8 @@ class Result:
     output_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    schema: str | None = None  # the name of the JSON schema it carried (--constrained-share)
+    text: list[str] = field(default_factory=list)  # the output's text chunks
 
     @property
     def ttft_s(self) -> float:
@@ -399,9 +435,15 @@ class Sender:
     ignore_eos: bool = True
     done: int = 0
     errors: list[str] = field(default_factory=list)
+    constrained: dict[int, str] = field(default_factory=dict)  # job index -> its schema's name
+
+    def schema(self, job: Job) -> dict[str, Any] | None:
+        """The JSON schema the job carries (None: unconstrained)."""
+        name = self.constrained.get(job.index)
+        return None if name is None else serve_schema(BY_NAME[name], job.max_tokens)
 
     def body(self, job: Job) -> dict[str, Any]:
-        body = {
+        body: dict[str, Any] = {
             "model": self.model,
             "prompt": job.prompt,
             "max_tokens": job.max_tokens,
@@ -409,13 +451,22 @@ class Sender:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        if self.ignore_eos:
+        schema = self.schema(job)
+        if schema is not None:  # no ignore_eos: the grammar ends the output
+            body["response_format"] = response_format(schema, self.constrained[job.index])
+        elif self.ignore_eos:
             body["ignore_eos"] = True
         return body
 
     async def issue(self, job: Job, scheduled: float, rank: int | None = None) -> Result:
         """Send one job (pinned to DP `rank` unless None); errors are recorded, never raised."""
-        result = Result(job.index, scheduled, rank, prompt_tokens=len(job.prompt))
+        result = Result(
+            job.index,
+            scheduled,
+            rank,
+            prompt_tokens=len(job.prompt),
+            schema=self.constrained.get(job.index),
+        )
         try:
             await asyncio.wait_for(self._send(job, result), self.timeout_s)
         except (TimeoutError, httpx.HTTPError, StreamError, ValueError) as e:
@@ -472,6 +523,12 @@ async def read_stream(lines: Any, result: Result) -> None:
         choices = chunk.get("choices") or []
         if choices and _carries_token(choices[0]):
             result.token_times.append(now)
+        if choices:
+            text = choices[0].get("text")
+            if text is None:
+                text = (choices[0].get("delta") or {}).get("content")
+            if text:
+                result.text.append(text)
         if chunk.get("usage"):
             usage = chunk["usage"]
             result.output_tokens = int(usage.get("completion_tokens") or 0)
@@ -595,6 +652,9 @@ async def _run(o: ServeOptions) -> dict[str, Any]:
         sender = Sender(
             client, f"{url}/v1/completions", model, o.timeout_s, len(jobs), o.progress_every
         )
+        if o.constrained_share is not None:
+            chosen = choose_constrained(len(jobs), o.constrained_share, o.seed)
+            sender.constrained = {jobs[i].index: name for i, name in chosen.items()}
         print(
             f"bench serve: {len(jobs)} requests to {url} ({model}, max_model_len {max_model_len})",
             file=sys.stderr,
@@ -611,8 +671,52 @@ async def _run(o: ServeOptions) -> dict[str, Any]:
             results = await open_loop(sender, jobs, t0, deadline)
         duration = time.perf_counter() - t0
     summary = summarize(results, duration, sender.errors, workload.reusable())
+    if o.constrained_share is not None:
+        schemas = {job.index: sender.schema(job) for job in jobs}
+        summary["structured"] = structured_summary(
+            results, {i: s for i, s in schemas.items() if s is not None}, o.constrained_share
+        )
     config["ignore_eos_sent"] = sender.ignore_eos
     return {**summary, "config": config, "scaling": workload.info}
+
+
+def structured_summary(
+    results: list[Result], schemas: dict[int, dict[str, Any]], share: float
+) -> dict[str, Any]:
+    """TTFT/ITL/TPOT of the constrained requests (those in `schemas`, by job index) and of the
+    others apart, and how many constrained outputs validate against their schema."""
+
+    def group(rs: list[Result]) -> dict[str, Any]:
+        ok = [r for r in rs if r.ok]
+        return {
+            "requests": len(rs),
+            "completed": len(ok),
+            "ttft_ms": distribution([r.ttft_s * 1e3 for r in ok]),
+            "itl_ms": distribution([(b - a) * 1e3 for r in ok for a, b in pairwise(r.token_times)]),
+            "tpot_ms": distribution(
+                [
+                    (r.e2e_s - r.ttft_s) * 1e3 / (r.output_tokens - 1)
+                    for r in ok
+                    if r.output_tokens > 1
+                ]
+            ),
+            "output_tokens": sum(r.output_tokens for r in ok),
+        }
+
+    constrained = [r for r in results if r.index in schemas]
+    errors = []
+    for r in constrained:
+        if r.ok:
+            error = validation_error("".join(r.text), schemas[r.index])
+            if error is not None:
+                errors.append(f"request {r.index} ({r.schema}): {error}"[:300])
+    completed = sum(r.ok for r in constrained)
+    return {
+        "share": share,
+        "constrained": {**group(constrained), "valid": completed - len(errors)},
+        "unconstrained": group([r for r in results if r.index not in schemas]),
+        "invalid_examples": errors[:3],
+    }
 
 
 def summarize(
@@ -666,6 +770,8 @@ def request_row(r: Result) -> dict[str, Any]:
     row: dict[str, Any] = {"index": r.index}
     if r.rank is not None:
         row["rank"] = r.rank
+    if r.schema is not None:
+        row["schema"] = r.schema
     return {
         **row,
         "ok": r.ok,
@@ -707,8 +813,28 @@ def print_summary(r: dict[str, Any]) -> None:
         "per-request speed)"
     )
     print_tokens(r)
+    if "structured" in r:
+        print_structured(r["structured"])
     for message in r["error_messages"]:
         print(f"  error: {message}")
+
+
+def print_structured(s: dict[str, Any]) -> None:
+    """TTFT/ITL p50/p90 of the constrained and the unconstrained requests."""
+
+    def p(d: dict[str, float | None]) -> str:
+        return "/".join("n/a" if d[k] is None else f"{d[k]:.1f}" for k in ("p50", "p90"))
+
+    print(f"  constrained share {s['share']:g} (response_format json_schema), p50/p90 ms:")
+    for name in ("constrained", "unconstrained"):
+        g = s[name]
+        valid = f", {g['valid']}/{g['completed']} valid" if name == "constrained" else ""
+        print(
+            f"    {name:<13} {g['completed']}/{g['requests']} completed{valid}: "
+            f"ttft {p(g['ttft_ms'])}  itl {p(g['itl_ms'])}  tpot {p(g['tpot_ms'])}"
+        )
+    for message in s["invalid_examples"]:
+        print(f"    invalid: {message}")
 
 
 def print_tokens(r: dict[str, Any]) -> None:

@@ -12,6 +12,9 @@ Bookkeeping invariants (checked by `check_integrity`):
 - the evictable queue holds exactly the blocks with ref 0, least recently freed first;
 - a block's ref_count equals the number of requests that hold it.
 
+Cache salts: a request's blocks are hashed under its `cache_salt` (`block_hash.salt_root`), so
+requests with different salts never share a cached block (`find_cached_prefix`, `cache_blocks`).
+
 KV events (with caching on): every hash the pool starts holding (`set_hash`) or stops holding (its
 block evicted or reused) is recorded, and `KVCacheManager.take_events` drains them as a
 `KVCacheEvents` batch (the net change since the last drain, for the kvstore's prefix index).
@@ -208,13 +211,18 @@ class KVCacheManager:
         self.prefix_queries = 0
         self.prefix_hits = 0
 
-    def find_cached_prefix(self, request_id: str, token_ids: list[int]) -> list[int]:
-        """Cached blocks matching the longest prefix; always leaves >= 1 token to compute."""
+    def find_cached_prefix(
+        self, request_id: str, token_ids: list[int], cache_salt: str | None = None
+    ) -> list[int]:
+        """Cached blocks matching the longest prefix under `cache_salt` (blocks cached with
+        another salt never match: `block_hash`); always leaves >= 1 token to compute."""
         self.prefix_queries += 1
         if not self.pool.enable_caching:
             return []
         max_blocks = (len(token_ids) - 1) // self.block_size
-        hashes = hash_full_blocks(token_ids[: max_blocks * self.block_size], self.block_size)
+        hashes = hash_full_blocks(
+            token_ids[: max_blocks * self.block_size], self.block_size, cache_salt=cache_salt
+        )
         hits: list[int] = []
         for block_hash in hashes:
             block = self.pool.lookup(block_hash)
@@ -246,8 +254,15 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         return list(blocks)
 
-    def cache_blocks(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
-        """Register the hashes of blocks that are full of computed tokens."""
+    def cache_blocks(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        num_computed: int,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Register the hashes of blocks that are full of computed tokens (chained from
+        `cache_salt`'s root: the request's salt, the same in every call)."""
         if not self.pool.enable_caching:
             return
         hashes = self.req_hashes.setdefault(request_id, [])
@@ -256,7 +271,11 @@ class KVCacheManager:
             return
         parent = hashes[-1] if hashes else None
         new = hash_full_blocks(
-            token_ids[: num_full * self.block_size], self.block_size, len(hashes), parent
+            token_ids[: num_full * self.block_size],
+            self.block_size,
+            len(hashes),
+            parent,
+            cache_salt,
         )
         blocks = self.req_blocks[request_id]
         for index, block_hash in enumerate(new, start=len(hashes)):

@@ -57,9 +57,12 @@ class WindowedKVManager:
     def prefix_hits(self) -> int:
         return self.full.prefix_hits
 
-    def find_cached_prefix(self, request_id: str, token_ids: list[int]) -> list[int]:
-        """The longest full-pool hit whose window blocks are cached too (>= 1 token left)."""
-        hits = self.full.find_cached_prefix(request_id, token_ids)
+    def find_cached_prefix(
+        self, request_id: str, token_ids: list[int], cache_salt: str | None = None
+    ) -> list[int]:
+        """The longest full-pool hit whose window blocks are cached too (>= 1 token left); both
+        pools key blocks by the full chain's hashes, salted with `cache_salt`."""
+        hits = self.full.find_cached_prefix(request_id, token_ids, cache_salt)
         hashes = self.full.req_hashes.get(request_id, [])
         while hits:
             needed = self._window_lookup(hashes, len(hits))
@@ -120,8 +123,14 @@ class WindowedKVManager:
         self.next_start[request_id] = num_tokens
         return blocks
 
-    def cache_blocks(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
-        self.full.cache_blocks(request_id, token_ids, num_computed)
+    def cache_blocks(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        num_computed: int,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.full.cache_blocks(request_id, token_ids, num_computed, cache_salt)
         hashes = self.full.req_hashes.get(request_id, [])
         table = self.tables.get(request_id, [])
         for index, block_hash in enumerate(hashes[: len(table)]):

@@ -2,7 +2,8 @@
 deterministic.
 
 Each step gets a token budget. Running requests go first (a decode takes one token, an unfinished
-prefill takes a chunk), then waiting requests in arrival order, which reuse cached prefix blocks.
+prefill takes a chunk), then waiting requests in priority order (`SamplingParams.priority`, lower
+first; equal priorities in arrival order), which reuse cached prefix blocks.
 When blocks run out, the latest running request is preempted and recomputed later.
 With `max_kv_loads_per_step` N, at most N requests whose KV just arrived (`kv_arrived`) join the
 running batch per step; the queue stays in arrival order, so a capped request blocks those behind it
@@ -113,7 +114,26 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         self._check_admissible(request)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        """Into the waiting queue behind every request of its priority or a more urgent one (all
+        equal: at the end, FCFS)."""
+        priority = request.sampling_params.priority
+        if not self.waiting or self.waiting[-1].sampling_params.priority <= priority:
+            self.waiting.append(request)
+            return
+        index = next(i for i, r in enumerate(self.waiting) if r.sampling_params.priority > priority)
+        self.waiting.insert(index, request)
+
+    def _requeue_first(self, request: Request) -> None:
+        """Back into the waiting queue (preempted) ahead of the others of its priority."""
+        priority = request.sampling_params.priority
+        index = next(
+            (i for i, r in enumerate(self.waiting) if r.sampling_params.priority >= priority),
+            len(self.waiting),
+        )
+        self.waiting.insert(index, request)
 
     def reserve(self, request: Request) -> list[int] | None:
         """Reserve blocks for a prompt whose KV is computed elsewhere; None if the pool is short."""
@@ -135,7 +155,12 @@ class Scheduler:
         """
         request = self.waiting_for_kv.pop(request_id)
         request.num_computed_tokens = request.num_prompt_tokens - (first_token_id is None)
-        self.kv.cache_blocks(request_id, request.all_token_ids, request.num_computed_tokens)
+        self.kv.cache_blocks(
+            request_id,
+            request.all_token_ids,
+            request.num_computed_tokens,
+            request.sampling_params.cache_salt,
+        )
         if first_token_id is not None:
             request.append_output(first_token_id)
             status = request.check_stop(self.config.max_model_len)
@@ -153,7 +178,7 @@ class Scheduler:
                 )
         request.status = RequestStatus.WAITING
         request.kv_loaded = True
-        self.waiting.append(request)
+        self._enqueue(request)
         return None
 
     def _check_admissible(self, request: Request) -> None:
@@ -193,7 +218,8 @@ class Scheduler:
         return SchedulerOutput(scheduled, preempted, finished)
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
-        """Admit waiting requests in arrival order while budget, seats and blocks allow.
+        """Admit waiting requests in queue order (priority, then arrival) while budget, seats and
+        blocks allow.
 
         Admission stops at the first kv-loaded request over the `max_kv_loads_per_step` cap (it
         and everything behind it keep their places for the next step); requests prefilled here
@@ -207,7 +233,9 @@ class Scheduler:
             prefix: list[int] = []
             computed = request.num_computed_tokens
             if computed == 0:
-                prefix = self.kv.find_cached_prefix(request.request_id, request.all_token_ids)
+                prefix = self.kv.find_cached_prefix(
+                    request.request_id, request.all_token_ids, request.sampling_params.cache_salt
+                )
                 computed = len(prefix) * self.kv.block_size
             num_new = min(request.num_tokens - computed, budget)
             lookahead = self._lookahead(request, computed + num_new, computed + num_new)
@@ -272,7 +300,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._requeue_first(request)
 
     def update_from_output(
         self, output: SchedulerOutput, sampled: Mapping[str, SampledToken | SpecTokens]
@@ -289,7 +317,10 @@ class Scheduler:
                 continue
             request.num_computed_tokens += len(item.token_ids)
             self.kv.cache_blocks(
-                request.request_id, request.all_token_ids, request.num_computed_tokens
+                request.request_id,
+                request.all_token_ids,
+                request.num_computed_tokens,
+                request.sampling_params.cache_salt,
             )
             if token is None:
                 continue
@@ -323,7 +354,9 @@ class Scheduler:
         request.spec_token_ids = list(spec.next_draft_ids) if status is None else []
         # a stop inside the step leaves fewer tokens than the computed positions
         computed = min(request.num_computed_tokens, request.num_tokens)
-        self.kv.cache_blocks(request.request_id, request.all_token_ids, computed)
+        self.kv.cache_blocks(
+            request.request_id, request.all_token_ids, computed, request.sampling_params.cache_salt
+        )
         if status is not None:
             self.finish(request.request_id, status)
         return self._step_output(request, emitted)

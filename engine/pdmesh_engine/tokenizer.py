@@ -84,12 +84,22 @@ def _tojson(
     )
 
 
+def _from_json(text: str) -> Any:
+    """JSON text to its value: chat templates that render tool calls (DeepSeek-V4's) read an
+    assistant's `arguments` text with it."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise jinja2.exceptions.TemplateError(f"from_json: not JSON: {e}") from None
+
+
 @lru_cache(maxsize=16)
 def _compile_template(source: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
+    env.filters["from_json"] = _from_json
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     try:
@@ -198,7 +208,9 @@ class Tokenizer:
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
         """Render a conversation to the prompt text (special tokens included, BOS too if the
-        template adds it).
+        template adds it). Messages may carry more than role and content (an assistant's
+        `tool_calls`, a tool result's `tool_call_id`), and `kwargs` reach the template (`tools`:
+        OpenAI tool objects).
 
         Encode the result with `add_special_tokens=False` (or use `encode_chat`) to avoid a second
         BOS.

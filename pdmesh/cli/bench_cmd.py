@@ -21,6 +21,8 @@ BENCHMARKS = (
     "routing",
     "overload",
     "grammar",
+    "soak",
+    "tenants",
 )
 
 

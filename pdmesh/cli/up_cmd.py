@@ -19,6 +19,7 @@ from pdmesh.launcher import DEFAULT_WORKER_NICE
 from pdmesh_service.supervision import RestartPolicy
 from pdmesh_service.worker.engine_options import (
     add_engine_options,
+    add_kv_integrity_options,
     add_speculative_options,
     engine_argv,
     worker_engine_config,
@@ -93,6 +94,14 @@ def register(commands: argparse._SubParsersAction) -> None:
     routing.add_argument(
         "--max-queue-wait-s", type=float, help="also 429 past this estimated wait (default: none)"
     )
+    routing.add_argument(
+        "--api-keys-file",
+        help="the gateway's tenants: API keys with their limits and priority classes (JSON or "
+        "YAML; see `pdmesh serve gateway --help`)",
+    )
+    routing.add_argument(
+        "--queue-timeout-s", type=float, help="408 past this wait in the gateway's fair queue"
+    )
     g = p.add_argument_group(
         "EPLB controller (started with the mesh; balances the experts of DEP instances)"
     )
@@ -130,6 +139,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     add_engine_options(p)
     add_speculative_options(p)
+    add_kv_integrity_options(p, faults=False)
     p.set_defaults(run=run)
 
 
@@ -148,7 +158,7 @@ def gateway_argv(args: argparse.Namespace) -> tuple[str, ...]:
     """The routing and queue options given, as gateway arguments (the gateway checks them)."""
     argv: tuple[str, ...] = ()
     names = ("prefill_routing", "local_prefill_tokens", "decode_balance", "max_queued")
-    for name in (*names, "max_queue_wait_s"):
+    for name in (*names, "max_queue_wait_s", "api_keys_file", "queue_timeout_s"):
         value = getattr(args, name, None)
         if value is not None:
             argv += ("--" + name.replace("_", "-"), str(value))

@@ -19,24 +19,86 @@ ASSISTANT_TOKEN = "<｜Assistant｜>"
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, USER_TOKEN, ASSISTANT_TOKEN)  # ids 0, 1, 2, 3
 BOS_ID, EOS_ID = 0, 1
 
+DSML = "｜DSML｜"  # DeepSeek-V4's tool-call markup (its chat template's `dsml_token`)
+# the system prompt's tools section: DeepSeek-V4's, less its thinking-mode paragraphs
+TOOLS_HEADER = (
+    "## Tools\n\nYou have access to a set of tools to help answer the user's question. You can "
+    f'invoke tools by writing a "<{DSML}tool_calls>" block like the following:\n\n'
+    f'<{DSML}tool_calls>\n<{DSML}invoke name="$TOOL_NAME">\n'
+    f'<{DSML}parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE'
+    f'</{DSML}parameter>\n...\n</{DSML}invoke>\n<{DSML}invoke name="$TOOL_NAME2">\n...\n'
+    f"</{DSML}invoke>\n</{DSML}tool_calls>\n\n"
+    'String parameters should be specified as is and set `string="true"`. For all other types '
+    "(numbers, booleans, arrays, objects), pass the value in JSON format and set "
+    '`string="false"`.\n\n### Available Tool Schemas\n\n'
+)
+TOOLS_FOOTER = (
+    "\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool "
+    "calls.\n"
+)
+
+
+def _jinja_string(text: str) -> str:
+    """`text` as a single-quoted Jinja string literal."""
+    escaped = text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n")
+    return f"'{escaped}'"
+
+
 # DeepSeek-V3's chat format: BOS, system prompts, then <｜User｜>... /
-# <｜Assistant｜>...<｜end▁of▁sentence｜>.
+# <｜Assistant｜>...<｜end▁of▁sentence｜>; with DeepSeek-V4's tools: the tool schemas in the
+# system prompt (one JSON line each), tool results as <｜User｜><tool_result>...</tool_result>
+# (consecutive ones joined by a blank line), an assistant's calls as a DSML block before its end
+# (non-string arguments as compact JSON: the form a grammar-forced call is generated in).
+# Conversations without tools render as they did before tools were added (the models were
+# trained on them).
 DEEPSEEK_CHAT_TEMPLATE = (
-    "{% set ns = namespace(system='') %}"
+    "{% set ns = namespace(system='', after_tool=false) %}"
     "{% for message in messages %}"
     "{% if message['role'] == 'system' %}"
     "{% set ns.system = ns.system + (message['content'] if ns.system == '' else '\\n\\n' + "
     "message['content']) %}"
     "{% endif %}"
     "{% endfor %}"
+    "{% if tools %}"
+    "{% set ns.system = ns.system + ('' if ns.system == '' else '\\n\\n') + "
+    + _jinja_string(TOOLS_HEADER)
+    + " %}"
+    "{% for tool in tools %}{% if tool['type'] == 'function' %}"
+    "{% set ns.system = ns.system + (tool['function'] | tojson) + '\\n' %}"
+    "{% endif %}{% endfor %}"
+    "{% set ns.system = ns.system + " + _jinja_string(TOOLS_FOOTER) + " %}"
+    "{% endif %}"
     "{{ bos_token }}{{ ns.system }}"
     "{% for message in messages %}"
     "{% if message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ ('\\n\\n' if ns.after_tool else '<｜User｜>') + '<tool_result>' + message['content'] + "
+    "'</tool_result>' }}"
     "{% elif message['role'] == 'assistant' %}"
-    "{{ '<｜Assistant｜>' + message['content'] + eos_token }}"
+    "{{ '<｜Assistant｜>' + (message['content'] or '') }}"
+    "{% if message['tool_calls'] %}"
+    f"{{{{ '\\n\\n<{DSML}tool_calls>\\n' }}}}"
+    "{% for call in message['tool_calls'] %}"
+    f"{{{{ '<{DSML}invoke name=\"' + call['function']['name'] + '\">\\n' }}}}"
+    "{% for key, value in call['function']['arguments'].items() %}"
+    "{% if value is string %}"
+    f"{{{{ '<{DSML}parameter name=\"' + key + '\" string=\"true\">' + value + "
+    f"'</{DSML}parameter>\\n' }}}}"
+    "{% else %}"
+    f"{{{{ '<{DSML}parameter name=\"' + key + '\" string=\"false\">' + "
+    f"(value | tojson(separators=(',', ':'))) + '</{DSML}parameter>\\n' }}}}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if not call['function']['arguments'] %}{{ '\\n' }}{% endif %}"
+    f"{{{{ '</{DSML}invoke>\\n' }}}}"
+    "{% endfor %}"
+    f"{{{{ '</{DSML}tool_calls>' }}}}"
+    "{% endif %}"
+    "{{ eos_token }}"
     "{% elif message['role'] != 'system' %}"
     "{{ raise_exception('unsupported role: ' + message['role']) }}"
     "{% endif %}"
+    "{% set ns.after_tool = message['role'] == 'tool' %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
 )

@@ -92,6 +92,19 @@ def test_compose_commands_are_flags_the_services_take(name: str) -> None:
     assert namespace.host == "0.0.0.0" and namespace.advertise_host == name, config
 
 
+@pytest.mark.parametrize("name", PDMESH_SERVICES)
+def test_compose_healthchecks_are_the_readiness_probes(name: str) -> None:
+    """Each pdmesh service's healthcheck GETs its /health/ready (pdmesh_service.probes) through
+    `python -m pdmesh_service.healthcheck --url`: on its metrics port, the gateway's on its REST
+    port."""
+    service = compose()["services"][name]
+    test = service["healthcheck"]["test"]
+    assert test[:4] == ["CMD", "python", "-m", "pdmesh_service.healthcheck"], test
+    argv = service_argv(service)
+    port = flag_value(argv, "--http-port" if name == "gateway" else "--metrics-port")
+    assert flag_value(test, "--url") == f"http://127.0.0.1:{port}/health/ready", test
+
+
 def test_compose_publishes_only_on_loopback_by_default() -> None:
     for name, service in compose()["services"].items():
         for port in service.get("ports", []):

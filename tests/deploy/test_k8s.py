@@ -171,6 +171,23 @@ def test_grpc_probes_ask_for_the_services_health_name(overlay: str) -> None:
         )
 
 
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_liveness_and_readiness_ask_the_probe_endpoints(overlay: str) -> None:
+    """livenessProbe GETs /health/live, readinessProbe /health/ready (pdmesh_service.probes): on
+    the metrics port (9090, --metrics-port) of every service but the gateway, on its REST port
+    (8000, --http-port); the startup probe stays the gRPC health check of the service's name."""
+    for name in PDMESH_SERVICES:
+        kind = "StatefulSet" if name in GPU_WORKERS else "Deployment"
+        container = pod_spec(by_kind_name(overlay, kind, name))["containers"][0]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        flag = "--http-port" if name == "gateway" else "--metrics-port"
+        port_name = "http" if name == "gateway" else "metrics"
+        assert f"{flag}={ports[port_name]}" in container["args"], (name, container["args"])
+        for probe, path in (("livenessProbe", "/health/live"), ("readinessProbe", "/health/ready")):
+            assert container[probe]["httpGet"] == {"path": path, "port": port_name}, (name, probe)
+        assert "grpc" in container["startupProbe"], name
+
+
 def gpu_count(container: dict[str, Any]) -> int:
     resources = container.get("resources", {})
     counts = [
@@ -306,3 +323,21 @@ def test_every_variable_reference_resolves_in_its_container(overlay: str) -> Non
                 [*container.get("command", []), *container.get("args", [])],
                 container_env(overlay, container),
             )
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_workers_roll_by_instance_decode_first_and_drain(overlay: str) -> None:
+    """A revision rollout keeps both revisions servable (deploy/README.md, "Rolling out a new
+    revision"): no StatefulSet replaces its ranks one by one (a DEP group of two revisions cannot
+    form), decode instances roll before prefill ones, and a stopping rank drains (--drain-s) within
+    its grace period."""
+    order = {}
+    for name in GPU_WORKERS:
+        obj = by_kind_name(overlay, "StatefulSet", name)
+        assert obj["spec"]["updateStrategy"] == {"type": "OnDelete"}, name
+        order[name] = int(obj["metadata"]["annotations"]["pdmesh.io/roll-order"])
+        container = pod_spec(obj)["containers"][0]
+        args = expand(container["args"], container_env(overlay, container))
+        drain_s = float(flag_value(args, "--drain-s"))
+        assert 0 < drain_s < pod_spec(obj)["terminationGracePeriodSeconds"], name
+    assert order["decode"] < order["prefill"], order

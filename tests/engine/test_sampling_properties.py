@@ -60,6 +60,11 @@ VALID: dict[str, st.SearchStrategy[Any]] = {
     "include_stop_str_in_output": st.booleans(),
     "skip_special_tokens": st.booleans(),
     "prior_output_tokens": st.integers(0, sampling.UINT32_MAX),
+    # a grammar excludes ignore_eos and min_tokens: in-range mixes leave it out
+    "grammar_kind": st.none(),
+    "grammar": st.none(),
+    "cache_salt": st.none() | st.text(max_size=8),
+    "priority": st.integers(-(2**31), 2**31 - 1),
 }
 
 
@@ -80,6 +85,7 @@ def check_ranges(p: SamplingParams) -> None:
         "top_k": (0, sampling.INT32_MAX),
         "min_tokens": (0, p.max_tokens),
         "prior_output_tokens": (0, sampling.UINT32_MAX),
+        "priority": (-(2**31), 2**31 - 1),
     }
     for name, (lo, hi) in ints.items():
         if name in FIELDS:
@@ -100,6 +106,9 @@ def check_ranges(p: SamplingParams) -> None:
     assert all(type(t) is int and 0 <= t <= sampling.INT32_MAX for t in p.stop_token_ids)
     for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
         assert type(getattr(p, name)) is bool, name
+    assert p.cache_salt is None or type(p.cache_salt) is str
+    if p.grammar_kind is not None:
+        assert p.grammar_kind in sampling.GRAMMAR_KINDS and not p.ignore_eos and not p.min_tokens
 
 
 def _build(make: Any) -> SamplingParams | None:

@@ -142,8 +142,8 @@ def test_chat_template_matches_transformers(tok: Tokenizer, hf_tok) -> None:
 
 
 def test_chat_template_raise_exception(tok: Tokenizer) -> None:
-    with pytest.raises(ValueError, match="unsupported role: tool"):
-        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+    with pytest.raises(ValueError, match="unsupported role: narrator"):
+        tok.apply_chat_template([{"role": "narrator", "content": "x"}])
 
 
 def test_default_chat_template_when_none(tmp_path: Path) -> None:

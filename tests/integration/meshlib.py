@@ -1,5 +1,5 @@
-"""Helpers for the end-to-end tests: addresses of a running mesh, its workers' status, killing and
-restarting its services, the heartbeat they run with."""
+"""Helpers for the end-to-end tests: addresses of a running mesh, its workers' status, killing,
+restarting and replacing (a rolling update) its services, the heartbeat they run with."""
 
 from __future__ import annotations
 
@@ -122,6 +122,49 @@ def respawn(mesh: Mesh, name: str) -> int:
     pid = mesh.pid_of(name)
     assert pid is not None, mesh.log_tail(name)
     return pid
+
+
+def with_options(argv: tuple[str, ...], options: dict[str, str]) -> tuple[str, ...]:
+    """`argv` with each `--flag value` of `options` set (its value replaced, or appended)."""
+    out = list(argv)
+    for flag, value in options.items():
+        if flag in out:
+            out[out.index(flag) + 1] = value
+        else:
+            out += [flag, value]
+    return tuple(out)
+
+
+def replace_service(
+    mesh: Mesh, name: str, new_name: str, options: dict[str, str], timeout_s: float = 120.0
+) -> str:
+    """A rolling update of one worker, surge first: start `new_name` with the argv of `name` and
+    `options` set (e.g. another --block-size: a new revision) on fresh ports, wait until it serves,
+    then SIGTERM `name` (it drains for its --drain-s) and wait for it to exit; `name` leaves the
+    mesh's services. The new service's gRPC address."""
+    from pdmesh.launcher import ServiceSpec
+    from pdmesh_service.redis_server import free_port
+
+    [old] = [s for s in mesh.specs if s.name == name]
+    port, metrics = free_port(), free_port()
+    argv = with_options(
+        old.argv,
+        {
+            "--instance-id": new_name,
+            "--port": str(port),
+            "--metrics-port": str(metrics),
+            **options,
+        },
+    )
+    spec = ServiceSpec(new_name, old.role, f"{mesh.options.host}:{port}", argv, metrics)
+    mesh.specs.append(spec)
+    mesh._spawn(spec)
+    mesh._wait_serving(spec, spec.grpc_address, time.monotonic() + timeout_s)
+    process = mesh.processes.pop(name)
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout_s)
+    mesh.specs.remove(old)
+    return spec.grpc_address
 
 
 def heartbeat_s(mesh: Mesh, name: str) -> float:

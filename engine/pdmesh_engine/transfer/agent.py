@@ -4,8 +4,9 @@ side is told.
 Chain: decode `KVTransferAgent(name, memory)` → `metadata()` published through the kvstore →
 prefill `connect(name, metadata)` → `write_handoff(request_id, tables, name, decode groups, decode
 tables, num_tokens)` = ONE NIXL WRITE (every group × pool × layer × coalesced run in one transfer
-handle, notification = request id) → prefill `poll`/`wait` → decode `notifications()` returns the
-request id once every byte has landed.
+handle, notification = request id, with the digest of the bytes when asked: `digest`) → prefill
+`poll`/`wait` → decode `arrivals()` returns the request id (and that digest) once every byte has
+landed; `handoff_digest` is the receiver's digest of the same bytes in its blocks.
 
 Contracts:
 - the memory is the rank's KV groups (`layout.KVMemory`: V3 the pool `[L, N, B, D]` and, with
@@ -21,7 +22,9 @@ Contracts:
   agent); a sending (prefill) agent is driven by its own `poll`/`wait` and is faster without one on
   few cores (`pdmesh bench kvxfer --sender-progress-thread` shows the difference);
 - `write` raises ValueError for a bad plan and `TransferError` when NIXL refuses to start the
-  transfer; a transfer that starts and then fails ends as FAILED from `poll`/`wait`.
+  transfer; a transfer that starts and then fails ends as FAILED from `poll`/`wait`;
+- `write_handoff(corrupt_at=...)` is a test hook (`digest.corrupt_plan`): one byte of the WRITE is
+  sent flipped from a scratch buffer the agent registers on first use; its own KV stays intact.
 
 Transport (UCX picks it; `UCX_TLS` overrides): on one host block bytes go by `cma` (one kernel copy,
 process_vm_writev), notifications and connection set-up by `tcp`. UCX's tcp transport listens on
@@ -36,23 +39,33 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
 from nixl import _api as nixl_api
 
+from pdmesh_engine.transfer.digest import (
+    Notice,
+    RegionReader,
+    corrupt_plan,
+    decode_notification,
+    digest_regions,
+    encode_notification,
+)
 from pdmesh_engine.transfer.layout import (
     KVGroup,
     KVMemory,
     PoolLayout,
     WritePlan,
+    handoff_regions,
     plan_handoff,
     plan_write_pools,
 )
 
 State = Literal["PENDING", "DONE", "FAILED"]
 _CONFIG_LOCK = threading.Lock()
+_SCRATCH_BYTES = 4096  # corrupted bytes in flight at once (the fault hook), reused in turn
 
 
 class TransferError(RuntimeError):
@@ -73,6 +86,8 @@ class Transfer:
     state: State = "PENDING"
     finished_s: float | None = None
     draft_nbytes: int = 0  # of nbytes, the proposer pool's (KV group `draft`)
+    digest: int | None = None  # of the bytes sent, when asked (`digest.digest_regions`)
+    corrupted_address: int | None = None  # the fault hook: the source byte sent flipped
 
     @property
     def target_nbytes(self) -> int:
@@ -142,6 +157,9 @@ class KVTransferAgent:
             self._agent.register_memory(tensor) for m in self.memory for tensor in m.tensors
         ]
         self._peers: dict[str, bytes] = {}  # peer name -> metadata it was added with
+        self._reader = RegionReader(t for m in self.memory for t in m.tensors)
+        self._scratch: torch.Tensor | None = None  # the fault hook's flipped bytes
+        self._num_scratch_used = 0
         self.bytes_sent = self.num_transfers = self.num_failures = 0
         self._closed = False
 
@@ -224,14 +242,61 @@ class KVTransferAgent:
         peer_groups: Sequence[KVGroup],
         remote_tables: dict[str, list[int]],
         num_tokens: int,
+        digest: bool = False,
+        corrupt_at: float | None = None,
     ) -> Transfer:
         """Post ONE WRITE of the KV of a request's first `num_tokens` tokens: per KV group, the
         blocks `layout.plan_handoff` names, from this rank's tables of the request (by group) to
-        the peer's. ValueError when the groups differ or a table is short; see `write`."""
-        plan = plan_handoff(self.groups, local_tables, peer_groups, remote_tables, num_tokens)
-        return self._post(request_id, peer_name, peer_groups[0].pools[0].memory_type, plan)
+        the peer's. ValueError when the groups differ or a table is short; see `write`.
 
-    def _post(self, request_id: str, peer_name: str, peer_memory: str, plan: WritePlan) -> Transfer:
+        `digest`: the notification carries the digest of the bytes sent (computed here, before the
+        WRITE is posted). `corrupt_at` (fault hook, a fraction of the WRITE's bytes): that byte
+        lands flipped."""
+        plan = plan_handoff(self.groups, local_tables, peer_groups, remote_tables, num_tokens)
+        value = digest_regions(self._reader, plan.local) if digest else None
+        corrupted = None
+        if corrupt_at is not None:
+            plan, corrupted = self._corrupted(plan, corrupt_at)
+        transfer = self._post(
+            request_id,
+            peer_name,
+            peer_groups[0].pools[0].memory_type,
+            plan,
+            encode_notification(request_id, value),
+        )
+        transfer.digest, transfer.corrupted_address = value, corrupted
+        return transfer
+
+    def handoff_digest(self, tables: dict[str, list[int]], num_tokens: int) -> int:
+        """The digest of a hand-off of `num_tokens` tokens as it lies in this rank's blocks
+        (`tables`: by KV group): equal to the sender's when every byte arrived intact."""
+        return digest_regions(self._reader, handoff_regions(self.groups, tables, num_tokens))
+
+    def _corrupted(self, plan: WritePlan, corrupt_at: float) -> tuple[WritePlan, int]:
+        """The plan with one byte sent flipped from a scratch buffer (`digest.corrupt_plan`)."""
+        if self._scratch is None:
+            device = self.memory[0].tensors[0].device
+            self._scratch = torch.zeros(_SCRATCH_BYTES, dtype=torch.uint8, device=device)
+            self._registrations.append(self._agent.register_memory(self._scratch))
+        slot = self._num_scratch_used % _SCRATCH_BYTES
+        self._num_scratch_used += 1
+        position = min(int(corrupt_at * plan.nbytes), plan.nbytes - 1)
+        local, remote, source = corrupt_plan(
+            plan.local, plan.remote, position, self._scratch.data_ptr() + slot
+        )
+        self._scratch[slot] = self._reader.view(source, 1)[0] ^ 0xFF
+        if self._scratch.device.type == "cuda":  # the WRITE reads it outside torch's streams
+            torch.cuda.synchronize(self._scratch.device)
+        return replace(plan, local=local, remote=remote), source
+
+    def _post(
+        self,
+        request_id: str,
+        peer_name: str,
+        peer_memory: str,
+        plan: WritePlan,
+        notification: bytes | None = None,
+    ) -> Transfer:
         with self._lock:
             if peer_name not in self._peers:
                 raise ValueError(f"not connected to agent {peer_name!r}")
@@ -239,7 +304,7 @@ class KVTransferAgent:
                 local = self._agent.get_xfer_descs(plan.local, self.layout.memory_type)
                 remote = self._agent.get_xfer_descs(plan.remote, peer_memory)
                 handle = self._agent.initialize_xfer(
-                    "WRITE", local, remote, peer_name, request_id.encode()
+                    "WRITE", local, remote, peer_name, notification or request_id.encode()
                 )
             except Exception as e:  # noqa: BLE001 - nixl raises its own binding exceptions
                 self.num_failures += 1
@@ -291,16 +356,16 @@ class KVTransferAgent:
             if transfer.state == "PENDING":
                 self._finish(transfer, "FAILED")
 
-    def notifications(self) -> list[str]:
-        """Request ids whose WRITE has fully landed in this agent's pool since the last call, from
-        any peer."""
+    def arrivals(self) -> list[Notice]:
+        """The WRITEs that have fully landed in this agent's pool since the last call, from any
+        peer: each one's request id and the sender's digest (None: sent without one)."""
         with self._lock:
             found = self._agent.get_new_notifs()
-        return [
-            message.decode("utf-8", errors="replace")
-            for messages in found.values()
-            for message in messages
-        ]
+        return [decode_notification(message) for messages in found.values() for message in messages]
+
+    def notifications(self) -> list[str]:
+        """The request ids of `arrivals()` (consumes the same notifications)."""
+        return [notice.request_id for notice in self.arrivals()]
 
     def close(self) -> None:
         """Forget peers and deregister the memory; the agent is unusable afterwards."""

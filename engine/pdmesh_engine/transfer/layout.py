@@ -32,6 +32,11 @@ Run = tuple[int, int, int]
 # (address, nbytes, device_id): one NIXL descriptor.
 Region = tuple[int, int, int]
 MEMORY_TYPES = ("DRAM", "VRAM")
+# The version of what a hand-off writes: the pools' addressing (`PoolLayout`), the groups and
+# which blocks of them move (`KVGroup.handoff_indices`), the entry format inside a block. Bump it
+# with any change that makes a rank of the new code misread KV written by the old one: it is part
+# of a worker's revision (`pdmesh_service.revision`), so the gateway never pairs the two.
+KV_FORMAT_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -301,6 +306,31 @@ def check_groups(local: Sequence[KVGroup], remote: Sequence[KVGroup]) -> None:
 def handoff_nbytes(groups: Sequence[KVGroup], num_tokens: int) -> dict[str, int]:
     """Bytes a hand-off of `num_tokens` computed tokens moves, by KV group."""
     return {g.name: len(g.handoff_indices(num_tokens)) * g.bytes_per_block for g in groups}
+
+
+def handoff_regions(
+    groups: Sequence[KVGroup], tables: Mapping[str, Sequence[int]], num_tokens: int
+) -> list[Region]:
+    """This rank's regions of a hand-off of `num_tokens` computed tokens (its side of
+    `plan_handoff`, from its own tables): per group, pool, layer, the blocks `handoff_indices`
+    names in logical order, runs coalesced. Both sides' lists cover the same bytes in the same order
+    (only where runs break may differ), so a digest streamed over either is one value (see
+    `pdmesh_engine.transfer.digest`). ValueError when a table is too short."""
+    out: list[Region] = []
+    for group in groups:
+        indices = group.handoff_indices(num_tokens)
+        table = tables.get(group.name, ())
+        if len(table) < indices.stop:
+            raise ValueError(
+                f"this rank holds {len(table)} blocks of KV group {group.name!r}; "
+                f"{num_tokens} tokens need {indices.stop}"
+            )
+        ids = [table[i] for i in indices]
+        runs = coalesce(ids, ids)
+        for pool in group.pools:
+            pool.check_block_ids(ids)
+            out += regions(pool, runs)
+    return out
 
 
 def plan_handoff(

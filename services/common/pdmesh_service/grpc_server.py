@@ -17,10 +17,14 @@ Mesh security (internal RPCs only; the gateway's front doors take an API key ins
   they work on insecure channels, where call credentials would need TLS).
 - mTLS: with a certificate, key and CA the server asks every client for a certificate signed by
   the CA (health checks too: the handshake comes before any RPC) and channels present theirs.
+
+Health names: "" and the service's own names are SERVING from `set_serving()` until `stop()`; the
+names `liveness` and `readiness` follow the process's probes (`pdmesh_service.probes`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +40,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pdmesh_service.errors import MeshError
 from pdmesh_service.logging import bind_request_id, get_logger
+from pdmesh_service.probes import Probes, process_probes
 
 if TYPE_CHECKING:
     from pdmesh_service.options import CommonConfig
@@ -270,8 +275,14 @@ class GrpcServer:
     health: health_async.HealthServicer
     port: int
     service_names: tuple[str, ...]
+    probes: Probes = field(default_factory=process_probes)
+    # the probes' updater when this server started it (no process runner did)
+    probe_task: asyncio.Task[None] | None = None
 
     async def set_serving(self, serving: bool = True) -> None:
+        """The service's names SERVING or not; serving also means started, for readiness."""
+        if serving:
+            self.probes.started = True
         status = (
             health_pb2.HealthCheckResponse.SERVING
             if serving
@@ -281,8 +292,15 @@ class GrpcServer:
             await self.health.set(name, status)
 
     async def stop(self, grace: float = 2.0) -> None:
+        """Stop serving: draining (live, not ready) while in-flight calls get `grace` seconds."""
+        self.probes.draining = True
+        await self.probes.update()
         await self.set_serving(False)
         await self.server.stop(grace)
+        self.probes.detach(self.health)
+        if self.probe_task is not None:
+            self.probe_task.cancel()
+            await asyncio.gather(self.probe_task, return_exceptions=True)
 
 
 async def start_grpc_server(
@@ -293,8 +311,10 @@ async def start_grpc_server(
     *,
     auth: MeshAuth = NO_AUTH,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    probes: Probes | None = None,
 ) -> GrpcServer:
     """Start serving (health NOT_SERVING until `set_serving()`); port 0 picks a free port.
+    `probes`: what `liveness` and `readiness` answer (default: the process's, `process_probes`).
 
     `auth`: the mesh token every call must carry and the mTLS credentials (module docstring);
     `interceptors` run first, before the token check (the gateway's API key: its front door takes
@@ -324,8 +344,10 @@ async def start_grpc_server(
     if bound == 0:
         raise OSError(f"cannot bind gRPC on {host}:{port} (is the port in use?)")
     await server.start()
-    result = GrpcServer(server, health, bound, tuple(service_names))
+    probes = process_probes() if probes is None else probes
+    result = GrpcServer(server, health, bound, tuple(service_names), probes, probes.start())
     await result.set_serving(False)
+    await probes.attach(health)
     return result
 
 

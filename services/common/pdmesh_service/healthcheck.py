@@ -1,4 +1,5 @@
-"""`python -m pdmesh_service.healthcheck --address HOST:PORT --service NAME [--timeout 3]`.
+"""`python -m pdmesh_service.healthcheck --address HOST:PORT --service NAME [--timeout 3]`, or
+`python -m pdmesh_service.healthcheck --url http://HOST:PORT/health/ready [--timeout 3]`.
 
 One gRPC health check: exit status 0 when the standard health service (grpc.health.v1.Health/Check)
 answers SERVING for NAME (e.g. `pdmesh.kvstore.v1.KVStore`; "" asks about the server as a whole),
@@ -7,6 +8,10 @@ Argument errors exit 2. What container HEALTHCHECKs and Kubernetes exec probes r
 no more imported than grpc and the health stubs, so a probe stays cheap. A service with mTLS asks
 every client for a certificate, probes too: `--tls-cert/--tls-key/--tls-ca` (defaults: the
 service's own PDMESH_TLS_CERT, PDMESH_TLS_KEY, PDMESH_TLS_CA) make the check over TLS.
+
+`--url`: one HTTP GET instead (the probes on a service's metrics port or the gateway's REST port:
+/health/live, /health/ready; `pdmesh_service.probes`): healthy on status 200, else the status and
+the body's reason on stderr. Standard library only.
 """
 
 from __future__ import annotations
@@ -59,12 +64,40 @@ def check(
     return HealthResult(reply.status == SERVING, f"{where}: {status}")
 
 
+def check_url(url: str, timeout_s: float) -> HealthResult:
+    """GET `url` once: healthy on HTTP 200."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    if timeout_s <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout_s}")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"--url must be an http:// URL, got {url!r}")
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 - checked
+            status, body = response.status, response.read(4096)
+    except urllib.error.HTTPError as e:
+        status, body = e.code, e.read(4096)
+    except (urllib.error.URLError, OSError) as e:
+        return HealthResult(False, f"{url}: {getattr(e, 'reason', e)}")
+    try:
+        reason = str(json.loads(body).get("reason", ""))
+    except (ValueError, AttributeError):
+        reason = ""
+    return HealthResult(status == 200, f"{url}: HTTP {status} {reason}".rstrip())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m pdmesh_service.healthcheck",
         description="exit 0 when a gRPC health check answers SERVING, else 1",
     )
-    parser.add_argument("--address", required=True, help="HOST:PORT of the gRPC server")
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--address", help="HOST:PORT of the gRPC server")
+    target.add_argument(
+        "--url", help="an HTTP probe instead, e.g. http://127.0.0.1:9090/health/ready"
+    )
     parser.add_argument(
         "--service", default="", help="health service name, e.g. pdmesh.kvstore.v1.KVStore"
     )
@@ -79,11 +112,17 @@ def main(argv: list[str] | None = None) -> int:
     files = (args.tls_cert, args.tls_key, args.tls_ca)
     if any(files) and not all(files):
         parser.error("mTLS takes --tls-cert, --tls-key and --tls-ca together")
-    try:
-        result = check(args.address, args.service, args.timeout, files if all(files) else None)
-    except OSError as e:
-        print(f"unhealthy: cannot read the TLS files: {e}", file=sys.stderr)
-        return 1
+    if args.url is not None:
+        try:
+            result = check_url(args.url, args.timeout)
+        except ValueError as e:
+            parser.error(str(e))
+    else:
+        try:
+            result = check(args.address, args.service, args.timeout, files if all(files) else None)
+        except OSError as e:
+            print(f"unhealthy: cannot read the TLS files: {e}", file=sys.stderr)
+            return 1
     if not result.is_serving:
         print(f"unhealthy: {result.reason}", file=sys.stderr)
         return 1

@@ -68,8 +68,15 @@ class InstanceInfo:
     ready: bool = False
     stats: Load = field(default_factory=Load)
     http_port: int = 0  # a gateway's OpenAI REST port; 0 for the other roles
+    # its Prometheus port (--metrics-port; also /health/live and /health/ready); 0: none
+    metrics_port: int = 0
     # tokens per KV block of a worker whose prefix cache publishes to the kvstore's index; 0: none
     block_size: int = 0
+    # a worker's revision (`pdmesh_service.revision`): the gateway pairs a prefill rank only with
+    # a decode rank of the same one; "": not reported (another role, or an older worker)
+    revision: str = ""
+    # a rank stopping (SIGTERM with --drain-s): it finishes what it holds but takes nothing new
+    draining: bool = False
     updated_ms: int = 0
 
     def __post_init__(self) -> None:

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from prometheus_client import start_http_server
-
 from pdmesh_service.logging import configure_logging, get_logger
+from pdmesh_service.probes import Probes, set_process_probes, start_probe_http_server
+from pdmesh_service.redis_client import check_redis_url
 
 log = get_logger(__name__)
 
@@ -35,8 +35,9 @@ class ServiceStopped(Exception):
 
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 MASK = "***"
-# Query parameters of a URL that carry credentials (redis-py takes `password` and `username` there).
-SECRET_QUERY_KEYS = frozenset({"password", "username"})
+# Query parameters of a URL that carry credentials (redis-py takes `password` and `username` there;
+# a Sentinel URL also `sentinel_password` and `sentinel_username`).
+SECRET_QUERY_KEYS = frozenset({"password", "username", "sentinel_password", "sentinel_username"})
 MESH_TOKEN_ENV = "PDMESH_MESH_TOKEN"
 
 
@@ -86,7 +87,8 @@ class CommonConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     deployment: str = "default"  # Redis key namespace
     instance_id: str = ""  # registry id; default: ROLE-PORT
-    metrics_port: int | None = None  # Prometheus endpoint; None: no separate endpoint
+    # Prometheus endpoint, with /health/live and /health/ready; None: no separate endpoint
+    metrics_port: int | None = None
     heartbeat_s: float = 1.0
     log_level: str = "INFO"
     # Internal RPCs must carry it (gRPC metadata x-pdmesh-mesh-token); "": none asked, none sent.
@@ -95,16 +97,20 @@ class CommonConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
+    # after SIGTERM, serve this long not ready (draining) before stopping; 0: stop at once
+    drain_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.heartbeat_s <= 0:
             raise ValueError(f"--heartbeat-s must be positive, got {self.heartbeat_s}")
-        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(
-                f"--redis-url must be a redis:// URL, got {redacted_url(self.redis_url)!r}"
-            )
+        if self.drain_s < 0:
+            raise ValueError(f"--drain-s must be >= 0, got {self.drain_s}")
+        try:
+            check_redis_url(self.redis_url)
+        except ValueError as e:
+            raise ValueError(f"{e}, got {redacted_url(self.redis_url)!r}") from None
         if self.mesh_token:
             check_metadata_secret(self.mesh_token, "the mesh token")
         self._check_tls()
@@ -170,7 +176,13 @@ def add_common_arguments(
         default=default("--advertise-host", ""),
         help="host others use to reach this service (default: --host)",
     )
-    g.add_argument("--redis-url", default=default("--redis-url", "redis://127.0.0.1:6379/0"))
+    g.add_argument(
+        "--redis-url",
+        default=default("--redis-url", "redis://127.0.0.1:6379/0"),
+        help="the coordination Redis: redis://[:password@]host:port/db, or Redis Sentinel as "
+        "redis+sentinel://[:password@]host:port[,host:port...]/service_name[/db]"
+        "[?sentinel_password=...]",
+    )
     g.add_argument(
         "--deployment",
         default=default("--deployment", "default"),
@@ -185,9 +197,16 @@ def add_common_arguments(
         "--metrics-port",
         type=int,
         default=default("--metrics-port", None),
-        help="serve Prometheus metrics on this port",
+        help="serve Prometheus metrics, /health/live and /health/ready on this port",
     )
     g.add_argument("--heartbeat-s", type=float, default=default("--heartbeat-s", 1.0))
+    g.add_argument(
+        "--drain-s",
+        type=float,
+        default=default("--drain-s", 0.0),
+        help="after SIGTERM, keep serving this long while not ready (draining); a second signal "
+        "stops at once (default: 0, stop at once)",
+    )
     g.add_argument("--log-level", default=default("--log-level", "INFO"))
     _add_security_arguments(p, default)
 
@@ -243,12 +262,18 @@ def common_from_args(
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_ca=args.tls_ca,
+        drain_s=args.drain_s,
     )
 
 
 def run_service(name: str, common: CommonConfig, main: Callable[[], Awaitable[None]]) -> int:
     """Run a service's `main()` until it returns or SIGINT/SIGTERM arrives (then cancel it cleanly);
-    0, or 1 when `main()` raised `ServiceStopped`."""
+    0, or 1 when `main()` raised `ServiceStopped`.
+
+    The process's probes (`pdmesh_service.probes`) are made here: served on the metrics port
+    (/health/live, /health/ready, Prometheus everywhere else) and, through `start_grpc_server`, as
+    gRPC health `liveness` and `readiness`. The first signal makes the process draining (live, not
+    ready) and cancels `main()` after `common.drain_s`; a second one cancels it at once."""
     configure_logging(name, common.log_level)
     log.info(
         "starting",
@@ -258,14 +283,26 @@ def run_service(name: str, common: CommonConfig, main: Callable[[], Awaitable[No
         mesh_token=bool(common.mesh_token),
         tls=common.has_tls,
     )
+    probes = Probes(common.redis_url, common.heartbeat_s)
+    set_process_probes(probes)
     if common.metrics_port is not None:
-        start_http_server(common.metrics_port, addr=common.host)
+        start_probe_http_server(common.metrics_port, common.host, probes)
 
     async def runner() -> int:
+        updater = probes.start()
         task = asyncio.ensure_future(main())
         loop = asyncio.get_running_loop()
+
+        def on_signal() -> None:
+            again, probes.draining = probes.draining, True
+            if again or common.drain_s <= 0:
+                task.cancel()
+                return
+            log.info("draining", service=name, seconds=common.drain_s)
+            loop.call_later(common.drain_s, task.cancel)
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, task.cancel)
+            loop.add_signal_handler(sig, on_signal)
         try:
             await task
         except asyncio.CancelledError:
@@ -273,6 +310,10 @@ def run_service(name: str, common: CommonConfig, main: Callable[[], Awaitable[No
         except ServiceStopped as e:
             log.error("stopped", service=name, reason=str(e))
             return 1
+        finally:
+            if updater is not None:
+                updater.cancel()
+                await asyncio.gather(updater, return_exceptions=True)
         return 0
 
     return asyncio.run(runner())

@@ -106,8 +106,10 @@ class EmbeddedRedis:
         port: int | None = None,
         password: str | None = None,
         log_path: Path | None = None,
+        extra_config: tuple[str, ...] = (),
     ) -> None:
         self.host, self.port = host, port or free_port(host)
+        self.extra_config = extra_config  # more config lines (e.g. `replicaof HOST PORT`)
         self.password = secrets.token_urlsafe(24) if password is None else password
         self.log_path = log_path  # its stdout and stderr (None: kept for the start error only)
         self.process: subprocess.Popen[bytes] | None = None
@@ -138,6 +140,7 @@ class EmbeddedRedis:
         ]
         if self.password:
             lines.append(f"requirepass {self.password}")
+        lines.extend(self.extra_config)
         path = Path(self._dir.name) / "redis.conf"
         path.touch(mode=0o600)
         path.write_text("\n".join(lines) + "\n")

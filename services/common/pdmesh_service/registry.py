@@ -19,6 +19,7 @@ from dataclasses import replace
 
 import redis.asyncio as aioredis
 
+from pdmesh_service import redis_client
 from pdmesh_service.errors import MeshError
 from pdmesh_service.instance import InstanceInfo, Load, Role
 from pdmesh_service.logging import get_logger
@@ -129,4 +130,5 @@ async def _remove_quietly(registry: Registry, instance_id: str) -> None:
 
 
 def connect(url: str) -> aioredis.Redis:
-    return aioredis.Redis.from_url(url, decode_responses=False)
+    """The services' Redis client (`redis_client.connect`: plain or Sentinel URLs)."""
+    return redis_client.connect(url, decode_responses=False)

@@ -5,7 +5,8 @@ One reservation, start to end (every decision is `core.decide`; this class carri
     Reserve  → `reserve`: the engine holds blocks (HELD) → kvstore `open_handoff` (RESERVED) → the
                lease starts (PUBLISHED) → block ids, owned by the reservation until it is
                admitted, dropped or cancelled
-    NIXL notification (engine thread, `poll`) → KV_ARRIVED → kvstore READY
+    NIXL notification (engine thread, `poll`) → digest check (`--kv-digest`) → KV_ARRIVED →
+               kvstore READY; a mismatch → KV_REJECTED → REJECT (below)
     Decode   → `admit`: DECODE_CALLED; with both in, ADMIT: the engine takes the request and its
                blocks (`EngineCore.kv_arrived`) → kvstore CONSUMED → the Decode call gets its
                stream
@@ -27,6 +28,14 @@ later reservation under the same id.
 Quarantine: the blocks of a reservation cancelled while a WRITE may still land stay out of the pool
 until the WRITE's notification arrives, the kvstore says none can land, or `cap_s` passes; its
 request id cannot be reserved again meanwhile (Unavailable).
+
+KV integrity (`pdmesh_engine.transfer.digest`): the notification carries the sender's digest of the
+bytes it wrote; before KV_ARRIVED this rank digests the same bytes in its blocks. A mismatch (or a
+missing digest where this rank's mode requires one) fails closed: counted
+(`pdmesh_kv_digest_mismatches_total`), the reservation ends (REJECT: a waiting Decode call gets
+`KVDigestMismatch`, NOT_FOUND, which the gateway retries from the start like any lost hand-off),
+its blocks are quarantined, never admitted nor cached, until the record is ended CANCELLED (the
+notification proves nothing more can land), then freed.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pdmesh_decode.core import (
     Arrived,
     Decision,
+    KVDigestMismatch,
     LeaseAction,
     LeaseTable,
     Reservation,
@@ -49,6 +59,7 @@ from pdmesh_decode.core import (
 )
 from pdmesh_engine.sampling import SamplingParams
 from pdmesh_engine.scheduler import StepOutput
+from pdmesh_engine.transfer.digest import DigestMode, Notice, is_digested
 from pdmesh_engine.transfer.layout import handoff_nbytes
 from pdmesh_service.errors import DeadlineExceeded, MeshError, ResourceExhausted, Unavailable
 from pdmesh_service.handoff import HandoffState, Moved, kv_may_still_arrive, may_be_written
@@ -63,6 +74,7 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 DEFAULT_QUARANTINE_S = 30.0
+_REJECTED_KEPT = 1024  # rejected ids remembered, so a late Decode call learns why
 _CLAIMED = (HandoffState.TRANSFERRING, HandoffState.READY)
 
 
@@ -83,9 +95,11 @@ class DecodeConnector:
         instance_id: str,
         cap_s: float = DEFAULT_QUARANTINE_S,
         clock: Callable[[], float] = time.monotonic,
+        digest: DigestMode = "off",
     ) -> None:
+        """`digest`: the `--kv-digest` mode (which hand-offs must arrive with a matching digest)."""
         self.loop, self.agent, self.kvstore, self.instance_id = loop, agent, kvstore, instance_id
-        self.cap_s, self.clock = cap_s, clock
+        self.cap_s, self.clock, self.digest = cap_s, clock, digest
         self.book = ReservationBook()
         # cancelled reservations whose blocks a WRITE may still land in → cap
         self.quarantine = LeaseTable()
@@ -96,6 +110,7 @@ class DecodeConnector:
         # records being ended CANCELLED, for `cancel`
         self._ending: dict[str, asyncio.Task[Any]] = {}
         self._reports: asyncio.Queue[tuple[str, HandoffState, HandoffState]] | None = None
+        self._rejected: dict[str, None] = {}  # the last ids whose KV failed its digest check
 
     # ----- event loop: what the servicer calls -----
     async def reserve(
@@ -152,8 +167,8 @@ class DecodeConnector:
     def poll(self) -> None:
         if not self.is_busy():
             return
-        for request_id in self.agent.notifications():
-            self._on_kv(request_id)
+        for notice in self.agent.arrivals():
+            self._on_kv(notice)
         now = self.clock()
         for request_id in self.book.due(now):
             reservation = self.book.get(request_id)
@@ -206,6 +221,7 @@ class DecodeConnector:
                 f"not enough free KV blocks for a {len(prompt_ids)}-token prompt"
             )
         serial = next(self._serials)
+        self._rejected.pop(request_id, None)
         num_blocks = len(next(iter(tables.values())))
         self.book.add(
             Reservation(request_id, num_blocks, len(prompt_ids), lease_s, self.cap_s, serial)
@@ -224,6 +240,8 @@ class DecodeConnector:
     def _on_call(
         self, future: asyncio.Future[RequestStream], request_id: str, first_token_id: int | None
     ) -> None:
+        if request_id in self._rejected and request_id not in self.book:
+            raise _mismatch_error(request_id)
         decision = self.book.apply(
             request_id, ReservationEvent.DECODE_CALLED, self.clock(), first_token_id
         )
@@ -234,7 +252,8 @@ class DecodeConnector:
         )
         self._carry_out(decision)
 
-    def _on_kv(self, request_id: str) -> None:
+    def _on_kv(self, notice: Notice) -> None:
+        request_id = notice.request_id
         # the late WRITE landed: nothing can write there any more
         if self.quarantine.remove(request_id):
             log.info(
@@ -252,9 +271,34 @@ class DecodeConnector:
             return
         # the WRITE filled every layer of the blocks each KV group needs (the proposer's too)
         sizes = handoff_nbytes(self.agent.groups, reservation.num_prompt_tokens)
+        mismatch = self._check_digest(reservation, notice.digest)
+        if mismatch is not None:
+            self.loop.metrics.kv_digest_mismatch()
+            log.error(
+                "KV digest mismatch: the hand-off fails closed; its blocks are quarantined",
+                request_id=request_id,
+                kv_bytes=sum(sizes.values()),
+                **mismatch,
+            )
+            self._carry_out(self.book.apply(request_id, ReservationEvent.KV_REJECTED, self.clock()))
+            return
         self.loop.metrics.kv_received(sum(sizes.values()), sizes.get("draft", 0))
         self._report(request_id, HandoffState.READY, HandoffState.TRANSFERRING)
         self._carry_out(self.book.apply(request_id, ReservationEvent.KV_ARRIVED, self.clock()))
+
+    def _check_digest(self, reservation: Reservation, sent: int | None) -> dict[str, str] | None:
+        """None when the KV may be admitted; else what was wrong (for the log)."""
+        if self.digest == "off" or (
+            sent is None and not is_digested(self.digest, reservation.request_id)
+        ):
+            return None
+        if sent is None:
+            return {"why": f"no digest came with it (--kv-digest {self.digest} requires one)"}
+        tables = self.loop.engine.kv_tables(reservation.request_id)
+        found = self.agent.handoff_digest(tables, reservation.num_prompt_tokens)
+        if found == sent:
+            return None
+        return {"why": "the bytes differ", "sent": f"{sent:016x}", "found": f"{found:016x}"}
 
     def _on_answer(self, request_id: str, serial: int, event: ReservationEvent) -> None:
         """The kvstore answered ASK_KVSTORE or END_CLAIMED (ignored if the reservation moved on
@@ -307,10 +351,12 @@ class DecodeConnector:
             self._drop(reservation)
         elif action in (LeaseAction.FREE, LeaseAction.END_AND_FREE):
             self.loop.engine.abort(request_id)
-        if action is LeaseAction.QUARANTINE and decision.until is not None:
+        elif action is LeaseAction.REJECT:
+            self._fail_waiter(request_id)
+        if action in (LeaseAction.QUARANTINE, LeaseAction.REJECT) and decision.until is not None:
             self.quarantine.add(request_id, decision.until)
-        if action in (LeaseAction.END_AND_FREE, LeaseAction.QUARANTINE):
-            self.loop.post(self._start_end, request_id, action is LeaseAction.QUARANTINE)
+        if action in (LeaseAction.END_AND_FREE, LeaseAction.QUARANTINE, LeaseAction.REJECT):
+            self.loop.post(self._start_end, request_id, action)
 
     def _admit(self, reservation: Reservation) -> None:
         """The engine takes the request and its blocks; the Decode call gets its stream."""
@@ -340,6 +386,21 @@ class DecodeConnector:
             )
         self.loop.engine.abort(request_id)
 
+    def _fail_waiter(self, request_id: str) -> None:
+        """REJECT: a waiting Decode call fails (the gateway retries from the start)."""
+        self._rejected[request_id] = None
+        while len(self._rejected) > _REJECTED_KEPT:
+            del self._rejected[next(iter(self._rejected))]
+        waiter = self._waiters.pop(request_id, None)
+        if waiter is not None:
+            self.loop.post(settle, waiter[0], None, _mismatch_error(request_id))
+
+    def _on_released(self, request_id: str) -> None:
+        """A REJECT's record is ended: its WRITE had landed, so nothing more can; free the
+        blocks."""
+        if self.quarantine.remove(request_id):
+            self.loop.engine.abort(request_id)
+
     def _report(self, request_id: str, state: HandoffState, expected: HandoffState) -> None:
         self.loop.post(self._queue_report, request_id, state, expected)
 
@@ -347,17 +408,19 @@ class DecodeConnector:
     def _spawn(self, work: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
         self._background.spawn(work(*args))
 
-    def _start_end(self, request_id: str, quarantined: bool) -> None:
-        task = self._background.spawn(self._end(request_id, quarantined))
+    def _start_end(self, request_id: str, action: LeaseAction) -> None:
+        task = self._background.spawn(self._end(request_id, action))
         self._ending[request_id] = task
         task.add_done_callback(
             lambda t: self._ending.pop(request_id) if self._ending.get(request_id) is t else None
         )
 
-    async def _end(self, request_id: str, quarantined: bool) -> None:
+    async def _end(self, request_id: str, action: LeaseAction) -> None:
         ended_from = await end_handoff(self.kvstore, request_id, HandoffState.CANCELLED)
-        if quarantined:
+        if action is LeaseAction.QUARANTINE:
             await self._answer(self._on_ended, request_id, ended_from)
+        elif action is LeaseAction.REJECT:  # even unknown: the notification proved the WRITE ended
+            await self._answer(self._on_released, request_id)
 
     async def _expire(self, request_id: str, serial: int) -> None:
         claimed = kv_may_still_arrive(await expire_handoff(self.kvstore, request_id))
@@ -413,3 +476,10 @@ class DecodeConnector:
             if isinstance(e, (MeshError, asyncio.CancelledError)):
                 raise
             raise Unavailable(f"cannot record the hand-off in the kvstore: {e}") from e
+
+
+def _mismatch_error(request_id: str) -> KVDigestMismatch:
+    return KVDigestMismatch(
+        f"the KV of request {request_id} failed its digest check on arrival; the hand-off failed "
+        "and its blocks were quarantined (retry the request: it gets a new hand-off)"
+    )

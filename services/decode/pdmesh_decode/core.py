@@ -19,6 +19,8 @@ A reservation holds blocks for a prompt whose KV a prefill rank writes. Its life
 
 What has arrived (`Arrived`: the KV notification, the Decode call with the first token) is not part
 of the lifecycle: a live reservation is admitted as soon as both are in, in either order.
+A KV notification whose digest does not match the blocks (`KV_REJECTED`) ends a live reservation
+CANCELLED with REJECT: it fails closed, never admitted.
 
 `decide(reservation, event, now)` is the whole policy: it returns a `Decision` (the reservation
 after the event, a `LeaseAction` for the caller to carry out, and the deadline that action starts)
@@ -75,6 +77,8 @@ class ReservationEvent(enum.Enum):
     # kvstore: none did, or the claimed record was ended: no WRITE can land
     KV_WONT_ARRIVE = "kv_wont_arrive"
     CANCELLED = "cancelled"  # aborted before admission (Cancel, the Decode caller went away)
+    # the KV arrived but failed its digest check (`--kv-digest`): the hand-off fails closed
+    KV_REJECTED = "kv_rejected"
 
 
 class Arrived(enum.Flag):
@@ -100,6 +104,9 @@ class LeaseAction(enum.Enum):
     # cancelled, a WRITE may land: end the record; the blocks stay out of the
     QUARANTINE = "quarantine"
     # pool until the WRITE lands, the record says none can, or `until`
+    # the KV failed its digest check: a waiting Decode call fails (`KVDigestMismatch`); the blocks
+    # stay out of the pool (never admitted, cached or reused) until the record is ended (or `until`)
+    REJECT = "reject"
 
 
 @dataclass(frozen=True)
@@ -167,6 +174,9 @@ def decide(
         return _deadline(reservation, now)
     if event is ReservationEvent.CANCELLED:
         return _cancelled(reservation, now)
+    if event is ReservationEvent.KV_REJECTED:
+        rejected = _moved(reservation, ReservationState.CANCELLED)
+        return Decision(rejected, LeaseAction.REJECT, now + reservation.cap_s)
     return _kvstore_answered(reservation, event, now)
 
 
@@ -323,6 +333,12 @@ class ReservationBook:
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+class KVDigestMismatch(NotFound):
+    """The hand-off's KV failed its digest check on arrival: the request was not admitted and its
+    reservation is gone. NOT_FOUND before admission is what the gateway retries from the start
+    as a lost hand-off (on a new reservation)."""
 
 
 def check_first_token(token_id: int | None, vocab_size: int) -> int | None:

@@ -23,8 +23,11 @@ from pdmesh_service.worker.dep_instance import (
     run_instance,
 )
 from pdmesh_service.worker.engine_options import (
+    KVIntegrityOptions,
     add_engine_options,
+    add_kv_integrity_options,
     add_speculative_options,
+    kv_integrity_from_args,
     resolve_model,
     worker_engine_config,
 )
@@ -44,6 +47,7 @@ class DecodeConfig:
     # cap on holding blocks a late KV write may land in
     kv_quarantine_s: float = DEFAULT_QUARANTINE_S
     dep: DEPOptions = DEPOptions()  # --dep N: N rank processes (see worker.dep_instance)
+    integrity: KVIntegrityOptions = KVIntegrityOptions()  # --kv-digest (the fault hook: unused)
 
     def __post_init__(self) -> None:
         if not 0 < self.lease_ms < 2**32:
@@ -56,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
     add_engine_options(parser)
     add_speculative_options(parser)
+    add_kv_integrity_options(parser)
     add_dep_arguments(parser)
     g = parser.add_argument_group("decode")
     g.add_argument(
@@ -84,6 +89,7 @@ def config_from_args(args: argparse.Namespace) -> DecodeConfig:
         args.lease_ms,
         args.kv_quarantine_s,
         dep,
+        kv_integrity_from_args(args),
     )
 
 
@@ -92,13 +98,20 @@ def build_worker(config: DecodeConfig) -> Callable[[WorkerParts], Worker[DecodeS
 
     def build(parts: WorkerParts) -> Worker[DecodeServicer]:
         connector = DecodeConnector(
-            parts.engine, parts.agent, parts.kvstore, parts.instance_id, config.kv_quarantine_s
+            parts.engine,
+            parts.agent,
+            parts.kvstore,
+            parts.instance_id,
+            config.kv_quarantine_s,
+            digest=config.integrity.digest,
         )
         target = common_pb2.KVTarget(
             agent_name=parts.agent.name,
             instance_id=parts.instance_id,
             speculative=parts.engine.engine.speculative,
             groups=[group_to_pb(g) for g in parts.agent.groups],
+            revision=parts.revision.fingerprint,
+            revision_parts=dict(parts.revision.parts),
         )
         return Worker(
             connector,

@@ -112,7 +112,13 @@ async def serve(config: EplbConfig, ready: asyncio.Event | None = None) -> None:
         )
         stack.push_async_callback(server.stop)
         instance_id = servicer.instance_id = common.instance(ROLE, server.port)
-        info = InstanceInfo(instance_id, ROLE, common.address(server.port), ready=True)
+        info = InstanceInfo(
+            instance_id,
+            ROLE,
+            common.address(server.port),
+            ready=True,
+            metrics_port=common.metrics_port or 0,
+        )
         await stay_registered(stack, registry, lambda: info, common.heartbeat_s)
         stop_with(stack, balancer.run(config.poll_s))
         await server.set_serving(True)

@@ -19,6 +19,7 @@ from typing import Any
 
 from pdmesh_engine.sampling import PromptError, SamplingParams, check_prompt, find_stop_string
 from pdmesh_engine.tokenizer import IncrementalDetokenizer
+from pdmesh_gateway.tenants import Tenancy
 from pdmesh_service.errors import InvalidArgument, NotFound
 
 MAX_STOP_STRINGS = 16
@@ -73,6 +74,9 @@ class GenerationRequest:
     # the DP rank of the ranks its prompt goes to (a prefill rank; a decode rank when decode
     # computes it), from the X-Data-Parallel-Rank header; None: any
     dp_rank: int | None = None
+    # its tenant and class (`tenants`), for the gateway's fair queue; None: the open tenant, the
+    # class of params.priority
+    tenancy: Tenancy | None = None
 
 
 @dataclass(frozen=True)

@@ -2,12 +2,15 @@
 `GenerationRequest`, and shape events into OpenAI response objects, stream chunks and errors.
 
 Accepted extras (as vLLM): top_k, min_p, min_tokens, stop_token_ids, ignore_eos,
-include_stop_str_in_output, skip_special_tokens, add_generation_prompt (chat). Features the mesh
-does not implement and that would change the output (n > 1, echo, suffix, penalties, logit_bias,
-tools, structured output, beam search, ...: `UNSUPPORTED_COMPLETION` / `UNSUPPORTED_CHAT`) are
-rejected with a 400 naming the field rather than silently ignored. Other fields (OpenAI's `user`,
-`metadata`, `store`, ..., or any unknown name) are accepted and ignored. These tables are what the
-OpenAPI document (`openapi`) publishes.
+include_stop_str_in_output, skip_special_tokens, add_generation_prompt (chat). Structured outputs
+(response_format, vLLM's guided_* and structured_outputs) and chat's tools are read by `structured`;
+a chat request with tools has its output read for calls (`tool_calls`, DeepSeek-V4's format) and
+answered with `message.tool_calls` / `delta.tool_calls` and finish_reason "tool_calls". Features
+the mesh does not implement and that would change the output (n > 1, echo, suffix, penalties,
+logit_bias, the legacy functions, beam search, ...: `UNSUPPORTED_COMPLETION` /
+`UNSUPPORTED_CHAT`) are rejected with a 400 naming the field rather than silently ignored. Other
+fields (OpenAI's `user`, `metadata`, `store`, ..., or any unknown name) are accepted and ignored.
+These tables are what the OpenAPI document (`openapi`) publishes.
 """
 
 from __future__ import annotations
@@ -29,6 +32,13 @@ from pdmesh_gateway.core import (
     invalid,
     new_request_id,
 )
+from pdmesh_gateway.structured import (
+    Constraint,
+    message_tool_calls,
+    structured_constraint,
+    tools_request,
+)
+from pdmesh_gateway.tool_calls import ToolCallStream, new_call_id, parse_tool_calls
 from pdmesh_service.errors import MeshError
 
 # Body fields read as engine sampling settings under the engine's names (the public subset of
@@ -46,6 +56,7 @@ SAMPLING_BODY_FIELDS = (
     "min_tokens",
     "include_stop_str_in_output",
     "skip_special_tokens",
+    "cache_salt",  # vLLM's: prefix-cache isolation (the tenant's default when absent)
 )
 # field -> the only values accepted besides null: features the mesh does not implement (OpenAI's and
 # vLLM's) that would change the output. A value passes when it equals one of them as JSON does
@@ -58,17 +69,11 @@ _UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
     "repetition_penalty": (1,),
     "length_penalty": (1,),
     "logit_bias": ({},),
-    "response_format": ({"type": "text"},),
     "use_beam_search": (False,),
     "prompt_logprobs": (),
     "allowed_token_ids": (),
     "bad_words": ([],),
     "truncate_prompt_tokens": (),
-    "structured_outputs": (),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
 }
 UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {
     **_UNSUPPORTED_COMMON,
@@ -78,8 +83,6 @@ UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {
 UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
     **_UNSUPPORTED_COMMON,
     "echo": (False,),
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),  # with no tools both mean plain text
     "functions": ([],),
     "function_call": ("none", "auto"),
     "audio": (),
@@ -99,6 +102,7 @@ class OpenAIRequest:
     include_usage: bool
     logprobs: bool  # return logprobs in the response
     created: int
+    parses_tool_calls: bool = False  # the output is read for tool calls (chat with tools)
 
 
 # ----- parsing ---------------------------------------------------------------------------------
@@ -190,6 +194,7 @@ def parse_completion(body: Any, tokenizer: Tokenizer, model: ModelInfo) -> OpenA
     ids = _completion_prompt(body.get("prompt"), tokenizer)
     values = {k: body.get(k) for k in SAMPLING_BODY_FIELDS}
     values["max_tokens"], values["logprobs"] = body.get("max_tokens"), body.get("logprobs")
+    values.update(_grammar_values(structured_constraint(body)))
     request = build_request(
         new_request_id("cmpl"), ids, values, model, model_name, default_max_tokens=16
     )
@@ -229,7 +234,20 @@ def _message_content(content: Any, role: str, index: int) -> str:
     )
 
 
-def _messages(messages: Any) -> list[dict[str, str]]:
+def _message(m: Mapping[str, Any], role: str, i: int) -> dict[str, Any]:
+    """One message as the chat template takes it: role and content, an assistant's tool_calls
+    (arguments as objects) and a tool result's tool_call_id."""
+    message: dict[str, Any] = {"role": role, "content": _message_content(m.get("content"), role, i)}
+    if role == "assistant" and m.get("tool_calls") not in (None, []):
+        message["tool_calls"] = message_tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+    if role == "tool" and m.get("tool_call_id") is not None:
+        if not isinstance(m["tool_call_id"], str):
+            raise invalid(f"messages[{i}].tool_call_id", "tool_call_id must be a string")
+        message["tool_call_id"] = m["tool_call_id"]
+    return message
+
+
+def _messages(messages: Any) -> list[dict[str, Any]]:
     if messages is None:
         raise invalid("messages", "messages is required")
     if not isinstance(messages, list) or not messages:
@@ -245,8 +263,7 @@ def _messages(messages: Any) -> list[dict[str, str]]:
             raise invalid(
                 f"messages[{i}].role", f"role must be one of {', '.join(CHAT_ROLES)}, got {role!r}"
             )
-        role = "system" if role == "developer" else role
-        result.append({"role": role, "content": _message_content(m.get("content"), role, i)})
+        result.append(_message(m, "system" if role == "developer" else role, i))
     return result
 
 
@@ -259,14 +276,30 @@ def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
     return (0 if top is None else top) if want else None
 
 
+def _grammar_values(constraint: Constraint | None) -> dict[str, str | None]:
+    """The sampling fields of a constraint (both None: free text)."""
+    if constraint is None:
+        return {"grammar_kind": None, "grammar": None}
+    return {"grammar_kind": constraint.kind, "grammar": constraint.text}
+
+
 def parse_chat(body: Any, tokenizer: Tokenizer, model: ModelInfo) -> OpenAIRequest:
-    """A validated /v1/chat/completions request (messages rendered with the model's chat
-    template)."""
+    """A validated /v1/chat/completions request (messages, and tools if any, rendered with the
+    model's chat template)."""
     body = _object(body)
     model_name = model.resolve(body.get("model"))
     _check_unsupported(body, UNSUPPORTED_CHAT)
     _check_ignored(body)
     stream, include_usage = _stream_flags(body)
+    tools = tools_request(body)
+    constraint = structured_constraint(body)
+    if constraint is not None and tools.is_forced:
+        raise invalid(
+            constraint.param,
+            f"{constraint.param} cannot be combined with a forced tool_choice "
+            "(the calls follow their own grammar)",
+        )
+    constraint = constraint or tools.constraint()
     messages = _messages(body.get("messages"))
     add_prompt = body.get("add_generation_prompt")
     add_prompt = True if add_prompt is None else add_prompt
@@ -275,8 +308,9 @@ def parse_chat(body: Any, tokenizer: Tokenizer, model: ModelInfo) -> OpenAIReque
             "add_generation_prompt",
             f"add_generation_prompt must be true or false, got {add_prompt!r}",
         )
+    template_tools = {"tools": tools.tools} if tools.tools else {}
     try:
-        ids = tokenizer.encode_chat(messages, add_generation_prompt=add_prompt)
+        ids = tokenizer.encode_chat(messages, add_generation_prompt=add_prompt, **template_tools)
     except ValueError as e:
         raise invalid("messages", str(e)) from None
     max_name = (
@@ -284,6 +318,7 @@ def parse_chat(body: Any, tokenizer: Tokenizer, model: ModelInfo) -> OpenAIReque
     )
     values = {k: body.get(k) for k in SAMPLING_BODY_FIELDS}
     values["max_tokens"], values["logprobs"] = body.get(max_name), _chat_logprobs(body)
+    values.update(_grammar_values(constraint))
     request = build_request(
         new_request_id("chatcmpl"),
         ids,
@@ -301,6 +336,7 @@ def parse_chat(body: Any, tokenizer: Tokenizer, model: ModelInfo) -> OpenAIReque
         include_usage,
         request.params.logprobs is not None,
         int(time.time()),
+        tools.parses_calls,
     )
 
 
@@ -355,14 +391,36 @@ def models_response(model: ModelInfo) -> dict[str, Any]:
     }
 
 
+def _tool_calls_finish(finish_reason: str | None, has_calls: bool) -> str | None:
+    """A choice that ended on its own after calling tools finishes with "tool_calls" (one cut
+    short keeps "length" or "abort")."""
+    return "tool_calls" if has_calls and finish_reason == "stop" else finish_reason
+
+
+def _assistant_message(text: str, parses_tool_calls: bool) -> dict[str, Any]:
+    """The assistant message of a whole output: with tool calls read out of it, the content is the
+    text before them (None if there is none)."""
+    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    if parses_tool_calls:
+        content, calls = parse_tool_calls(text)
+        message["content"] = (content or None) if calls else content
+        if calls:
+            message["tool_calls"] = [
+                {"id": new_call_id(), "type": "function", "function": call._asdict()}
+                for call in calls
+            ]
+    return message
+
+
 class Shaper:
     """Shapes one request's events into OpenAI objects; keeps the stream state (text_offset, role
-    sent)."""
+    sent, the tool calls read so far)."""
 
     def __init__(self, api_request: OpenAIRequest, tokenizer: Tokenizer) -> None:
         self.api_request, self.tokenizer = api_request, tokenizer
         self._offset = 0
         self._role_sent = False
+        self._calls = ToolCallStream() if api_request.parses_tool_calls else None
         self._object = (
             "text_completion" if api_request.kind == "completion" else "chat.completion.chunk"
         )
@@ -430,7 +488,10 @@ class Shaper:
             choice["text"] = result.text
             obj = "text_completion"
         else:
-            choice["message"] = {"role": "assistant", "content": result.text, "refusal": None}
+            choice["message"] = _assistant_message(result.text, self.api_request.parses_tool_calls)
+            choice["finish_reason"] = _tool_calls_finish(
+                result.finish_reason, "tool_calls" in choice["message"]
+            )
             obj = "chat.completion"
         return {**self._envelope(obj, [choice]), "usage": usage_dict(result.usage)}
 
@@ -443,19 +504,28 @@ class Shaper:
                 self._chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None})
             )
         has_logprobs = self.api_request.logprobs and event.logprobs
-        if event.text or has_logprobs or event.finish_reason is not None:
+        text, calls, finish = self._read_calls(event)
+        if text or calls or has_logprobs or finish is not None:
             if self.api_request.kind == "completion":
-                body = {"text": event.text}
+                body: dict[str, Any] = {"text": text}
             else:
-                body = {
-                    "delta": {"content": event.text}
-                    if event.text or not event.finish_reason
-                    else {}
-                }
+                delta: dict[str, Any] = {"content": text} if text or not (finish or calls) else {}
+                body = {"delta": {**delta, "tool_calls": calls} if calls else delta}
             body["logprobs"] = self._logprobs(event.logprobs) if has_logprobs else None
-            body["finish_reason"], body["stop_reason"] = event.finish_reason, event.stop_reason
+            body["finish_reason"], body["stop_reason"] = finish, event.stop_reason
             out.append(self._chunk(body))
         return out
+
+    def _read_calls(self, event: GenerationEvent) -> tuple[str, list[dict[str, Any]], str | None]:
+        """(content, tool call deltas, finish_reason) of an event, its text read for calls when
+        the request has tools."""
+        if self._calls is None:
+            return event.text, [], event.finish_reason
+        delta = self._calls.feed(event.text)
+        if event.finish_reason is not None:
+            delta.content += self._calls.finish().content
+        finish = _tool_calls_finish(event.finish_reason, self._calls.num_calls > 0)
+        return delta.content, delta.tool_calls, finish
 
     def _chunk(self, body: dict[str, Any]) -> dict[str, Any]:
         choice = {"index": 0, "finish_reason": None, **body}

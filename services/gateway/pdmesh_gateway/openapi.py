@@ -35,7 +35,9 @@ from pdmesh_gateway.openapi_schemas import (
     obj,
     ref,
     response_schemas,
+    tool_call,
 )
+from pdmesh_gateway.structured import NAME, TOOL_CHOICES
 from pdmesh_service import errors
 
 OPENAPI_VERSION = "3.1.0"
@@ -116,6 +118,95 @@ def _sampling_properties(model: ModelInfo) -> dict[str, Any]:
         "min_tokens": integer(0, sampling.UINT32_MAX, description="At most max_tokens."),
         "include_stop_str_in_output": {"type": "boolean"},
         "skip_special_tokens": {"type": "boolean"},
+        "cache_salt": {
+            "type": "string",
+            "description": "Requests share cached prompt blocks only with requests of the same "
+            "salt (default: the tenant's).",
+        },
+    }
+
+
+def _structured_properties() -> dict[str, Any]:
+    """Structured outputs (`structured`): at most one of these per request; a grammar that does not
+    compile is a 400 naming its field."""
+    schema = {"anyOf": [{"type": "object"}, {"type": "boolean"}], "description": "A JSON schema."}
+    schema_or_text = {
+        "anyOf": [*schema["anyOf"], STRING],
+        "description": "A JSON schema or its text.",
+    }
+    text = {"type": "string", "minLength": 1}
+    choices = {"type": "array", "items": STRING, "minItems": 1}
+    json_schema = obj(
+        {
+            "name": {"type": "string", "pattern": f"^{NAME.pattern}$"},
+            "schema": nullable(schema),
+            "strict": nullable({"type": "boolean"}),
+            "description": nullable(STRING),
+        },
+        ("name",),
+    )
+    kinds = ("text", "json_object")
+    formats = [obj({"type": {"const": k}}, ("type",)) for k in kinds]
+    formats.append(
+        obj({"type": {"const": "json_schema"}, "json_schema": json_schema}, ("type", "json_schema"))
+    )
+    outputs: dict[str, dict[str, Any]] = {
+        "json": schema_or_text,
+        "regex": text,
+        "grammar": text,
+        "choice": choices,
+        "json_object": {"type": "boolean"},
+    }
+    return {
+        "response_format": {
+            "anyOf": formats,
+            "description": "OpenAI's structured outputs (JSON is generated without whitespace).",
+        },
+        "guided_json": schema_or_text,
+        "guided_regex": {**text, "description": "A regular expression the output matches."},
+        "guided_grammar": {**text, "description": "A GBNF (llama.cpp) or Lark grammar."},
+        "guided_choice": {**choices, "description": "The output is one of these."},
+        "structured_outputs": {
+            "type": "object",
+            "properties": {k: nullable(v) for k, v in outputs.items()},
+            "additionalProperties": False,
+            "description": "vLLM's form: one of json, regex, grammar (GBNF or Lark), choice, "
+            "json_object.",
+        },
+    }
+
+
+def _tool_properties() -> dict[str, Any]:
+    """Chat's tools (`structured`): calls are read out of the output (DeepSeek-V4's format)."""
+    function = obj(
+        {
+            "name": {"type": "string", "pattern": f"^{NAME.pattern}$"},
+            "description": nullable(STRING),
+            "parameters": nullable({"type": "object", "description": "A JSON schema."}),
+            "strict": nullable({"type": "boolean"}),
+        },
+        ("name",),
+    )
+    named = obj({"type": {"const": "function"}, "function": obj({"name": STRING}, ("name",))})
+    named["required"] = ["type", "function"]
+    return {
+        "tools": {
+            "type": "array",
+            "items": obj(
+                {"type": {"const": "function"}, "function": function}, ("type", "function")
+            ),
+            "description": "Distinct names. Shown to the model in its chat template.",
+        },
+        "tool_choice": {
+            "anyOf": [{"enum": list(TOOL_CHOICES)}, named],
+            "description": "Default: auto with tools, else none. required or a named function "
+            "force calls (a grammar; not with a structured output); auto reads calls out of free "
+            "text; none shows the tools but reads no calls.",
+        },
+        "parallel_tool_calls": {
+            "type": "boolean",
+            "description": "false: a forced choice makes one call.",
+        },
     }
 
 
@@ -139,6 +230,7 @@ def _common_properties(
         },
         "user": {"type": "string", "description": "Accepted and ignored."},
         **_sampling_properties(model),
+        **_structured_properties(),
     }
     properties.update({name: _unsupported(v, name) for name, v in unsupported.items()})
     return properties
@@ -169,11 +261,15 @@ def completion_request(model: ModelInfo) -> dict[str, Any]:
 def _message() -> dict[str, Any]:
     part = obj({"type": {"const": "text"}, "text": {"type": "string"}}, ("type", "text"))
     content = {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}
-    others = [r for r in CHAT_ROLES if r != "assistant"]
+    others = [r for r in CHAT_ROLES if r not in ("assistant", "tool")]
+    tool = {"role": {"const": "tool"}, "content": content, "tool_call_id": nullable(STRING)}
+    calls = {"type": "array", "items": tool_call()}
+    assistant = {"role": {"const": "assistant"}, "content": nullable(content)}
     return {
         "anyOf": [
             obj({"role": {"enum": others}, "content": content}, ("role", "content")),
-            obj({"role": {"const": "assistant"}, "content": nullable(content)}, ("role",)),
+            obj(tool, ("role", "content")),
+            obj({**assistant, "tool_calls": nullable(calls)}, ("role",)),
         ],
         "description": "Rendered with the model's chat template (which may refuse a role).",
     }
@@ -194,6 +290,7 @@ def chat_request(model: ModelInfo) -> dict[str, Any]:
                 0, sampling.MAX_LOGPROBS, description="Only with logprobs: true."
             ),
             "add_generation_prompt": {"type": "boolean"},
+            **_tool_properties(),
         }
     )
     return _request(properties, "messages")
@@ -279,6 +376,14 @@ def _get(
     return {"get": {"operationId": operation_id, "responses": responses}}
 
 
+# the answer of /health/live and /health/ready (`pdmesh_service.probes.Verdict.body`)
+PROBE = {
+    "type": "object",
+    "properties": {"status": {"enum": ["ok", "unavailable"]}, "reason": {"type": "string"}},
+    "required": ["status"],
+}
+
+
 def _paths(model: ModelInfo, max_body_bytes: int) -> dict[str, Any]:
     generation_errors = _errors(GENERATION_STATUSES, max_body_bytes)
     examples = request_examples(model)
@@ -326,6 +431,19 @@ def _paths(model: ModelInfo, max_body_bytes: int) -> dict[str, Any]:
             examples["ChatCompletionRequest"],
         ),
         "/health": _get("health", "Ok, or degraded.", ref("Health"), more=unavailable),
+        "/health/live": _get(
+            "healthLive",
+            "Live: the process serves (liveness probe).",
+            PROBE,
+            more={"503": _ok("Not live: the reason.", _json(PROBE))},
+        ),
+        "/health/ready": _get(
+            "healthReady",
+            "Ready: started, not draining, the registry readable, a decode rank ready "
+            "(readiness probe).",
+            PROBE,
+            more={"503": _ok("Not ready: the reason.", _json(PROBE))},
+        ),
         "/metrics": _get("metrics", "Prometheus metrics (text format).", STRING, TEXT),
         "/mesh": _get(
             "mesh", "Every registered rank, the EPLB rows and the services' restarts.", mesh

@@ -74,7 +74,21 @@ def dataclass_schema(cls: Any) -> dict[str, Any]:
 
 
 def _finish_reason() -> dict[str, Any]:
-    return {"enum": [*FINISH_REASON_OF.values()]}  # None (not finished) included
+    # None (not finished) included; tool_calls: a chat choice that ended after calling tools
+    return {"enum": [*FINISH_REASON_OF.values(), "tool_calls"]}
+
+
+def tool_call(index: bool = False) -> dict[str, Any]:
+    """A tool call of a message (id, type, function: name and arguments, a JSON object's text); in
+    a stream chunk (`index`) everything but the index may be left out."""
+    function = obj({"name": STRING, "arguments": STRING}, ("name", "arguments"))
+    call = obj({"id": STRING, "type": {"const": "function"}, "function": function})
+    if index:
+        call["properties"]["index"] = integer(0)
+        call["required"] = ["index"]
+    else:
+        call["required"] = ["id", "type", "function"]
+    return call
 
 
 def _choice_end() -> dict[str, Any]:
@@ -128,14 +142,25 @@ def response_schemas() -> dict[str, Any]:
         ("index", "text", "logprobs", "finish_reason"),
     )
     message = obj(
-        {"role": {"const": "assistant"}, "content": STRING, "refusal": {"type": "null"}},
+        {
+            "role": {"const": "assistant"},
+            "content": nullable(STRING),
+            "refusal": {"type": "null"},
+            "tool_calls": {"type": "array", "items": tool_call()},
+        },
         ("role", "content"),
     )
     chat_choice = obj(
         {"index": INTEGER, "message": message, "logprobs": nullable(chat_lp), **_choice_end()},
         ("index", "message", "logprobs", "finish_reason"),
     )
-    delta = obj({"role": {"const": "assistant"}, "content": STRING})
+    delta = obj(
+        {
+            "role": {"const": "assistant"},
+            "content": STRING,
+            "tool_calls": {"type": "array", "items": tool_call(index=True)},
+        }
+    )
     chunk_choice = obj(
         {"index": INTEGER, "delta": delta, "logprobs": nullable(chat_lp), **_choice_end()},
         ("index", "delta", "finish_reason"),
@@ -180,7 +205,8 @@ def response_schemas() -> dict[str, Any]:
 def mesh_schemas() -> dict[str, Any]:
     instance = dataclass_schema(InstanceInfo)
     instance["properties"]["age_ms"] = integer(0)
-    instance["required"].append("age_ms")
+    instance["properties"]["metrics_url"] = nullable(STRING)  # its Prometheus endpoint
+    instance["required"] += ["age_ms", "metrics_url"]
     eplb_row = obj(
         {
             "instance": STRING,

@@ -21,11 +21,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import AsyncGenerator
+from dataclasses import replace
+
+from prometheus_client import CollectorRegistry
 
 from pdmesh_engine.tokenizer import Tokenizer
 from pdmesh_gateway.admission import PrefillAdmission, QueueLimits, Shed
 from pdmesh_gateway.core import GenerationEvent, GenerationRequest, WorkerChunk
+from pdmesh_gateway.fair_queue import Entry, FairQueueConfig
 from pdmesh_gateway.metrics import GatewayMetrics
 from pdmesh_gateway.migration import (
     DEFAULT_MAX_MIGRATIONS,
@@ -46,6 +51,8 @@ from pdmesh_gateway.start import (
     Starter,
     while_live,
 )
+from pdmesh_gateway.tenant_admission import TenantAdmission, start_slots
+from pdmesh_gateway.tenants import OPEN_TENANT, PriorityClass, Tenancy, Tenants
 from pdmesh_gateway.upstream import DecodeStream, WorkerClient
 from pdmesh_service import errors
 from pdmesh_service.instance import Role
@@ -83,6 +90,10 @@ class Orchestrator:
         routing: RoutingConfig = RoutingConfig(),
         queue_limits: QueueLimits = QueueLimits(),
         workers: WorkerClient | None = None,  # default: one without mesh credentials
+        tenants: Tenants | None = None,  # --api-keys-file; None: one tenant, no limits
+        fair_queue: FairQueueConfig = FairQueueConfig(),
+        queue_timeout_s: float | None = None,
+        tenant_registry: CollectorRegistry | None = None,  # the fair queue's series; None: hidden
     ) -> None:
         if max_migrations < 0:
             raise ValueError(f"--max-migrations must be >= 0, got {max_migrations}")
@@ -107,6 +118,30 @@ class Orchestrator:
         )
         self.active = 0
         metrics.watch_queue(self.starter.admission)
+        self._init_gate(tenants, fair_queue, queue_limits, queue_timeout_s, tenant_registry)
+
+    def _init_gate(
+        self,
+        tenants: Tenants | None,
+        config: FairQueueConfig,
+        queue_limits: QueueLimits,
+        queue_timeout_s: float | None,
+        registry: CollectorRegistry | None,
+    ) -> None:
+        """The fair queue every new request waits in (`tenant_admission`), its start slots
+        `--max-prefill-inflight` per rank that computes prompts unless `--max-starting` is given."""
+        per_rank, router = self.starter.admission.limit, self.router
+        self.tenants = tenants
+        self.gate = TenantAdmission(
+            replace(config, max_queued=config.max_queued or queue_limits.max_queued),
+            tenants,
+            capacity=lambda: start_slots(
+                per_rank, [*router.ready(Role.PREFILL), *router.ready(Role.DECODE)]
+            ),
+            queue_timeout_s=queue_timeout_s,
+            registry=registry,
+        )
+        router.on_membership(self.gate.refresh)
 
     @property
     def waiting(self) -> int:
@@ -129,7 +164,7 @@ class Orchestrator:
         """`Shed` (429, counted) when a new request may not join the gateway's queue now: the
         front doors ask before they read the request, so shedding costs next to nothing."""
         try:
-            self.starter.admission.check_room()
+            self.starter.admission.check_room()  # the fair queue's bounds need the tenant: later
         except Shed as e:
             self.metrics.shed(e)
             raise
@@ -142,9 +177,13 @@ class Orchestrator:
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationEvent, None]:
         """Events of one request; the last has finish_reason and usage. Close early to cancel.
 
-        A decode rank lost mid-stream (`migration.is_rank_loss`) is not the request's end: it goes
-        on from the tokens generated so far on another rank (`migration.continuation`), up to
-        `max_migrations` times."""
+        The request first waits in the fair queue (`request.tenancy`: its tenant and class; None:
+        the open tenant, the class of its `priority`), which sets its engine priority and the
+        tenant's default cache salt. A decode rank lost mid-stream (`migration.is_rank_loss`) is
+        not the request's end: it goes on from the tokens generated so far on another rank
+        (`migration.continuation`), up to `max_migrations` times."""
+        tenancy = request.tenancy or open_tenancy(request)
+        request = with_tenancy(request, tenancy)
         progress = RequestProgress(request, self.tokenizer)
         deadline = asyncio.get_running_loop().time() + self.request_timeout_s
         excluded = Exclusions()  # decode ranks that failed this request
@@ -153,13 +192,18 @@ class Orchestrator:
         status = "cancelled"
         self.metrics.in_flight.inc()
         self.active += 1
+        entry: Entry | None = None
         try:
+            entry = await self._queue(request, tenancy, deadline)
+            progress.admitted_at = time.monotonic()
             while attempt is not None:
                 stream = await self.starter.start(attempt, deadline, excluded, tries)
                 if not progress.prefill_path:  # the first start's (a continuation re-prefills)
                     progress.prefill_path = stream.prefill_path
                 try:
                     async for event in self._relay(stream, progress):
+                        self.gate.started(entry)  # its first byte: the start slot is free
+                        self.gate.charge(entry, len(event.token_ids))
                         if event.finish_reason is not None:
                             status = "success" if event.finish_reason != "abort" else "aborted"
                         yield event
@@ -182,9 +226,17 @@ class Orchestrator:
                 self.metrics.shed(e)
             raise
         finally:
+            if entry is not None:
+                self.gate.finished(entry)
             self.active -= 1
             self.metrics.in_flight.dec()
             self.metrics.ended(progress, status)
+
+    async def _queue(self, request: GenerationRequest, tenancy: Tenancy, deadline: float) -> Entry:
+        """A start slot from the fair queue (counted as waiting at the gateway meanwhile)."""
+        cost = len(request.prompt_ids) + request.params.max_tokens
+        with self.starter.waiting_here():
+            return await self.gate.admit(tenancy, cost, len(request.prompt_ids), deadline)
 
     def _migrate(
         self, request: GenerationRequest, progress: RequestProgress, error: errors.MeshError
@@ -225,3 +277,21 @@ class Orchestrator:
                 yield event
             if progress.finished:
                 return
+
+
+def open_tenancy(request: GenerationRequest) -> Tenancy:
+    """The tenancy of a request that came with none: the open tenant, the class of its engine
+    priority (vLLM's integer)."""
+    return Tenancy(OPEN_TENANT, PriorityClass.of_int(request.params.priority))
+
+
+def with_tenancy(request: GenerationRequest, tenancy: Tenancy) -> GenerationRequest:
+    """The request with its class's engine priority, and the tenant's cache salt when it has
+    none."""
+    params = request.params
+    salt = params.cache_salt if params.cache_salt is not None else tenancy.limits.cache_salt
+    if params.priority == tenancy.priority.value and salt == params.cache_salt:
+        return request
+    return replace(
+        request, params=replace(params, priority=tenancy.priority.value, cache_salt=salt)
+    )

@@ -35,16 +35,20 @@ class PrefixLookup:
         )
 
     async def cached(
-        self, prompt_ids: Sequence[int], ranks: Sequence[InstanceInfo]
+        self,
+        prompt_ids: Sequence[int],
+        ranks: Sequence[InstanceInfo],
+        cache_salt: str | None = None,
     ) -> dict[str, int]:
-        """Instance id → prompt tokens its prefix cache holds (ranks holding none: absent)."""
+        """Instance id → prompt tokens its prefix cache holds for a request with `cache_salt`
+        (ranks holding none: absent; blocks cached under another salt do not count)."""
         kvstores = self.router.ready(Role.KVSTORE)
         sizes = sorted({r.block_size for r in ranks if r.block_size > 0})
         if not kvstores or not sizes:
             return {}
         found: dict[str, int] = {}
         for size in sizes:
-            hashes = await _hashes(prompt_ids, size)
+            hashes = await _hashes(prompt_ids, size, cache_salt)
             if not hashes:
                 continue
             try:
@@ -64,7 +68,9 @@ class PrefixLookup:
         return found
 
 
-async def _hashes(prompt_ids: Sequence[int], block_size: int) -> list[bytes]:
+async def _hashes(
+    prompt_ids: Sequence[int], block_size: int, cache_salt: str | None
+) -> list[bytes]:
     if len(prompt_ids) > HASH_OFF_LOOP_BLOCKS * block_size:
-        return await asyncio.to_thread(prompt_block_hashes, prompt_ids, block_size)
-    return prompt_block_hashes(prompt_ids, block_size)
+        return await asyncio.to_thread(prompt_block_hashes, prompt_ids, block_size, cache_salt)
+    return prompt_block_hashes(prompt_ids, block_size, cache_salt)

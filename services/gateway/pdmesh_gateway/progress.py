@@ -38,7 +38,11 @@ class RequestProgress:
         self.prefill_path = ""  # where the first start computed the prompt (`start.Path`)
         self.num_migrations = 0
         self.started_at, self.first_token_at, self.ended_at = time.monotonic(), 0.0, 0.0
+        # when the request left the gateway's queue for its first start (0.0: not known); the
+        # metrics split its time there from the prefill phase with it
+        self.admitted_at = 0.0
         self.finished = False
+        self.finish_reason = ""  # the last event's, once `finished`
 
     def migrated(self) -> None:
         """The request goes on on another decode rank (chunks of its continuation follow)."""
@@ -82,5 +86,5 @@ class RequestProgress:
             finish = chunk.finish_reason
             stop_reason = (chunk.stop_token_id or None) if finish == "stop" else None
         usage = Usage(num_prompt_tokens, self.num_tokens, self.num_cached_tokens, self.prefill_path)
-        self.finished, self.ended_at = True, time.monotonic()
+        self.finished, self.ended_at, self.finish_reason = True, time.monotonic(), finish or ""
         return GenerationEvent(tuple(token_ids), text, tuple(logprobs), finish, stop_reason, usage)

@@ -38,11 +38,15 @@ from pdmesh_gateway.openai_api import (
 )
 from pdmesh_gateway.openapi import build_openapi
 from pdmesh_gateway.orchestrator import Mode, Orchestrator
-from pdmesh_gateway.router import health
+from pdmesh_gateway.router import Router, health
 from pdmesh_gateway.start import Starter
+from pdmesh_gateway.tenant_admission import tenancy_of
+from pdmesh_gateway.tenants import PRIORITY_HEADER, body_priority
 from pdmesh_service.eplb_protocol import summarize_all
 from pdmesh_service.errors import InvalidArgument, MeshError, PayloadTooLarge
+from pdmesh_service.instance import InstanceInfo, Role
 from pdmesh_service.logging import get_logger
+from pdmesh_service.probes import LIVE_PATH, READY_PATH, Probes, Verdict, liveness, readiness
 from pdmesh_service.supervision import read_restarts
 
 log = get_logger(__name__)
@@ -130,6 +134,26 @@ def queue_view(admission: PrefillAdmission) -> dict[str, Any]:
         "estimated_wait_s": None if wait is None else round(wait, 3),
         "shed": dict(admission.num_shed),
     }
+
+
+def metrics_url(info: InstanceInfo) -> str | None:
+    """Where an instance rank's Prometheus metrics are: its metrics port (a gateway without one:
+    its REST port) on the host of its gRPC address; None when it serves none."""
+    port = info.metrics_port or (info.http_port if info.role == Role.GATEWAY else 0)
+    if not port:
+        return None
+    host = info.address.rsplit(":", 1)[0]
+    return f"http://{host}:{port}/metrics"
+
+
+def mesh_problem(router: Router) -> str | None:
+    """Why the gateway should take no traffic, as its registry view says (None: it can serve): the
+    registry unreachable, or no decode rank ready (decode ranks serve in agg mode too)."""
+    if router.refresh_error is not None:
+        return f"the registry is unreachable ({router.refresh_error})"
+    if not router.has_ready(Role.DECODE):
+        return "no decode rank is ready"
+    return None
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -258,7 +282,10 @@ class _Handlers:
         eplb: EplbView | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         restarts: RestartsView | None = None,
+        probes: Probes | None = None,
     ) -> None:
+        # an app on its own (no process probes): started once it answers
+        self.probes = probes if probes is not None else Probes(started=True)
         self.orchestrator, self.tokenizer, self.model, self.registry = (
             orchestrator,
             tokenizer,
@@ -275,12 +302,19 @@ class _Handlers:
             body = await _read_json(request, self.max_body_bytes)
             # Tokenizing a big prompt (and the chat template) takes long: off the event loop.
             api_request = await asyncio.to_thread(parse, body, self.tokenizer, self.model)
+            tenancy = tenancy_of(
+                self.orchestrator.tenants,
+                request.headers.get("authorization"),
+                request.headers.get(PRIORITY_HEADER),
+                body_priority(body),
+            )
         except MeshError as e:
             self.orchestrator.metrics.rejected(e)
             raise
         pin = _dp_rank(request)
-        if pin is not None:
-            api_request = replace(api_request, request=replace(api_request.request, dp_rank=pin))
+        api_request = replace(
+            api_request, request=replace(api_request.request, dp_rank=pin, tenancy=tenancy)
+        )
         request_id = api_request.request.request_id
         shaper = Shaper(api_request, self.tokenizer)
         events = self.orchestrator.generate(api_request.request)
@@ -320,20 +354,43 @@ class _Handlers:
         body = {"status": status, "mode": orchestrator.mode.value, **checks}
         return JSONResponse(body, status_code=503 if status == "unavailable" else 200)
 
+    def _verdicts(self) -> tuple[Verdict, Verdict]:
+        # answered on the event loop: it turns
+        inputs = replace(self.probes.inputs(), loop_silent_s=0.0)
+        problem = mesh_problem(self.orchestrator.router)
+        if problem is not None and problem not in inputs.problems:
+            inputs = replace(inputs, problems=(*inputs.problems, problem))
+        return liveness(inputs), readiness(inputs)
+
+    async def live(self, _: Request) -> Response:
+        """200 while the process serves (its event loop answers this); 503 with the reason once it
+        cannot serve again."""
+        verdict = self._verdicts()[0]
+        return JSONResponse(verdict.body(), status_code=verdict.http_status)
+
+    async def ready(self, _: Request) -> Response:
+        """200 when this gateway should get traffic: started, not draining, the registry readable
+        and a decode rank ready; else 503 with the reason."""
+        verdict = self._verdicts()[1]
+        return JSONResponse(verdict.body(), status_code=verdict.http_status)
+
     async def metrics(self, _: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def mesh(self, _: Request) -> Response:
-        """`instances`: every registered instance rank with its role, rank, address, readiness and
-        load; `eplb`: what /mesh/eplb lists (expert placements per instance and model); `restarts`:
+        """`instances`: every registered instance rank with its role, rank, address, readiness,
+        load and `metrics_url` (its Prometheus endpoint; null: none); `eplb`: what /mesh/eplb lists
+        (expert placements per instance and model); `restarts`:
         per service that its supervisor restarted, how often, its last exit code and when (null
         while Redis cannot be read); `routing`: the routing settings, the local-prefill threshold in
         force, the hand-off costs measured, and requests started per prefill path; `queue`: the
         requests waiting for a prefill slot, the bounds, the estimated wait of a request arriving
-        now (null until slots were granted) and the requests shed per reason."""
+        now (null until slots were granted) and the requests shed per reason; `tenants`: the fair
+        queue (start slots, queued, per tenant and class admitted and rejected requests and tokens,
+        mean wait)."""
         now_ms = int(time.time() * 1000)
         instances = [
-            {**asdict(i), "age_ms": max(now_ms - i.updated_ms, 0)}
+            {**asdict(i), "age_ms": max(now_ms - i.updated_ms, 0), "metrics_url": metrics_url(i)}
             for i in self.orchestrator.router.snapshot()
         ]
         restarts: dict[str, dict[str, Any]] | None = {}
@@ -349,6 +406,7 @@ class _Handlers:
                 "restarts": restarts,
                 "routing": routing_view(self.orchestrator.starter),
                 "queue": queue_view(self.orchestrator.admission),
+                "tenants": self.orchestrator.gate.view(),
             }
         )
 
@@ -394,19 +452,34 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     api_key: str = "",
     restarts: RestartsView | None = None,
+    probes: Probes | None = None,
 ) -> Starlette:
     """The gateway's HTTP app; `registry` is what /metrics exposes (default: the process registry),
     `eplb` what /mesh/eplb lists (none: an empty list), `restarts` what /mesh says of restarts
     (none: nothing restarted); bodies over `max_body_bytes` get 413; with
-    `api_key`, /v1 and /mesh routes need `Authorization: Bearer <api_key>` (auth.py), else 401."""
+    `api_key`, /v1 and /mesh routes need `Authorization: Bearer <api_key>` (auth.py), else 401;
+    `probes`: the process's (`pdmesh_service.probes`), which /health/live and /health/ready answer
+    from and whose gRPC `readiness` then also needs `mesh_problem` to be None (none: the app's
+    own)."""
     h = _Handlers(
-        orchestrator, tokenizer, model, registry or REGISTRY, eplb, max_body_bytes, restarts
+        orchestrator,
+        tokenizer,
+        model,
+        registry or REGISTRY,
+        eplb,
+        max_body_bytes,
+        restarts,
+        probes,
     )
+    if probes is not None:
+        probes.add_check(lambda: mesh_problem(orchestrator.router))
     routes = [
         Route("/v1/completions", h.completions, methods=["POST"]),
         Route("/v1/chat/completions", h.chat, methods=["POST"]),
         Route("/v1/models", h.models, methods=["GET"]),
         Route("/health", h.health, methods=["GET"]),
+        Route(LIVE_PATH, h.live, methods=["GET"]),
+        Route(READY_PATH, h.ready, methods=["GET"]),
         Route("/metrics", h.metrics, methods=["GET"]),
         Route("/mesh", h.mesh, methods=["GET"]),
         Route("/mesh/eplb", h.mesh_eplb, methods=["GET"]),

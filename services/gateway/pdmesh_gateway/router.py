@@ -1,6 +1,7 @@
 """Which worker rank gets a request (pure policy), and the loop that keeps the view fresh.
 
-Policy: only `ready` instances are routable.
+Policy: only `ready` instances that are not `draining` are routable (a draining rank finishes
+what it holds: calls open to it stay open, it stays `is_live`).
 - decode: fewest requests, counted as the rank's last heartbeat (`Load.num_running + num_waiting`)
   plus the requests this gateway sent it since that heartbeat (heartbeats lag; without this, a burst
   would all go to the same idle rank). With `DecodeBalance.KV_TOKENS`: fewest KV tokens (the
@@ -10,6 +11,15 @@ Policy: only `ready` instances are routable.
   queue.)
 Ties are broken in turn: the first tied instance (by id) after the one picked last time for that
 role, so equal ranks take requests round robin. No candidate → `NoInstance` (503).
+
+Revisions (`pdmesh_service.revision`; a rolling update runs two side by side until the old one
+drains): a KV hand-off pairs a prefill and a decode rank of one revision only. A disaggregated
+request's revision is `decode_revision`'s (`routing.choose_revision`: the least loaded decode
+rank's, so the decode policy holds across revisions); its prefill candidates are
+`ready(PREFILL, revision)` and its decode rank `pick_decode(exclude, revision)`. A revision with no
+prefill rank up serves its requests on the decode rank alone (the agg path: no hand-off), never
+across revisions. Both revisions take requests while both are up, by load alone (no preference
+for the newer one: the registry does not say which is newer).
 
 Events instead of polling: `on_membership` callbacks run when the set of ready ranks changes,
 `departure(id)` is a future resolved once that rank is gone (`is_live` turned false), and
@@ -23,7 +33,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from contextlib import suppress
 
-from pdmesh_gateway.routing import DecodeBalance
+from pdmesh_gateway.routing import DecodeBalance, choose_revision
 from pdmesh_service.errors import Unavailable
 from pdmesh_service.instance import InstanceInfo, Role
 from pdmesh_service.logging import get_logger
@@ -79,7 +89,7 @@ class Router:
         self._notify()
 
     def _notify(self) -> None:
-        membership = frozenset((i.instance_id, i.role) for i in self._instances if i.ready)
+        membership = frozenset((i.instance_id, i.role) for i in self._instances if _routable(i))
         if membership != self._membership:
             self._membership = membership
             for callback in list(self._on_membership):
@@ -115,11 +125,23 @@ class Router:
     def snapshot(self) -> list[InstanceInfo]:
         return list(self._instances)
 
-    def ready(self, role: Role) -> list[InstanceInfo]:
-        return [i for i in self._instances if i.role == role and i.ready]
+    def ready(self, role: Role, revision: str | None = None) -> list[InstanceInfo]:
+        """The routable ranks of `role` (ready, not draining); of `revision` only when given."""
+        return [
+            i
+            for i in self._instances
+            if i.role == role and _routable(i) and (revision is None or i.revision == revision)
+        ]
 
     def has_ready(self, role: Role) -> bool:
-        return any(i.role == role and i.ready for i in self._instances)
+        return any(i.role == role and _routable(i) for i in self._instances)
+
+    def revisions(self, role: Role) -> dict[str, int]:
+        """Revision → routable ranks of `role` running it (a rolling update shows two)."""
+        counts: dict[str, int] = {}
+        for i in self.ready(role):
+            counts[i.revision] = counts.get(i.revision, 0) + 1
+        return counts
 
     def is_live(self, instance_id: str) -> bool:
         """Whether the rank was ready in the views of the last `gone_after_s` before the latest
@@ -138,19 +160,40 @@ class Router:
     def prefill_load(self, info: InstanceInfo) -> tuple[int, ...]:
         return (self._prefill_in_flight.get(info.instance_id, 0),)
 
-    def pick_decode(self, exclude: Iterable[str] = ()) -> InstanceInfo:
-        return self._pick(Role.DECODE, self.decode_load, exclude)
+    def pick_decode(self, exclude: Iterable[str] = (), revision: str | None = None) -> InstanceInfo:
+        """The decode rank to use (module docstring), of `revision` only when given."""
+        return self._pick(Role.DECODE, self.decode_load, exclude, revision)
 
-    def pick_prefill(self, exclude: Iterable[str] = ()) -> InstanceInfo:
-        return self._pick(Role.PREFILL, self.prefill_load, exclude)
+    def pick_prefill(
+        self, exclude: Iterable[str] = (), revision: str | None = None
+    ) -> InstanceInfo:
+        return self._pick(Role.PREFILL, self.prefill_load, exclude, revision)
+
+    def decode_revision(self, exclude: Iterable[str] = ()) -> str:
+        """The revision a disaggregated request is served at (`routing.choose_revision` over the
+        routable decode ranks not in `exclude`); `NoInstance` when there is none."""
+        excluded = set(exclude)
+        decodes = [i for i in self.ready(Role.DECODE) if i.instance_id not in excluded]
+        if not decodes:
+            raise NoInstance("no ready decode instance" + (" left to try" if excluded else ""))
+        prefill_revisions = {i.revision for i in self.ready(Role.PREFILL)}
+        return choose_revision(
+            [(i.revision, self.decode_load(i)) for i in decodes], prefill_revisions
+        )
 
     def _pick(
-        self, role: Role, load: Callable[[InstanceInfo], tuple[int, ...]], exclude: Iterable[str]
+        self,
+        role: Role,
+        load: Callable[[InstanceInfo], tuple[int, ...]],
+        exclude: Iterable[str],
+        revision: str | None = None,
     ) -> InstanceInfo:
         excluded = set(exclude)
-        candidates = [i for i in self.ready(role) if i.instance_id not in excluded]
+        candidates = [i for i in self.ready(role, revision) if i.instance_id not in excluded]
         if not candidates:
-            raise NoInstance(f"no ready {role} instance" + (" left to try" if excluded else ""))
+            of = f" of revision {revision or '(none)'}" if revision is not None else ""
+            left = " left to try" if excluded else ""
+            raise NoInstance(f"no ready {role} instance{of}{left}")
         best = min(load(i) for i in candidates)
         tied = [i for i in candidates if load(i) == best]
         last = self._last.get(role, "")
@@ -173,6 +216,10 @@ class Router:
             self._prefill_in_flight[instance_id] = left
         else:
             self._prefill_in_flight.pop(instance_id, None)
+
+
+def _routable(info: InstanceInfo) -> bool:
+    return info.ready and not info.draining
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

@@ -1,8 +1,9 @@
 """Where a prompt is computed (pure policy: no grpc, redis or asyncio).
 
 - Prefix matches. `prompt_block_hashes` names the prompt's blocks as the engine's prefix cache does
-  (chained hashes of the full blocks, always leaving the last token to compute); the kvstore's
-  prefix index answers, per rank, how many leading blocks it holds (`cached_tokens`).
+  (chained hashes of the full blocks, from the request's cache salt, always leaving the last token
+  to compute), so a prompt only matches blocks cached under its own salt; the kvstore's prefix
+  index answers, per rank, how many leading blocks it holds (`cached_tokens`).
 - Prefill choice (`PrefillRouting.CACHE_AWARE`). Cost of a rank = the prompt tokens it would compute
   (those it does not hold) + the tokens this gateway already gave it that are not prefilled yet
   (queued or in flight). The cheapest rank wins, so a session's next turn goes where its prefix
@@ -14,11 +15,15 @@
   costs the decode rank less than prefilling then only when it saves more compute than its own
   overhead. `auto` sets the threshold to overhead × prefill speed, both measured on this gateway's
   hand-offs (`HandoffModel`); `off` disaggregates every prompt (as before).
+- Revisions (`choose_revision`). A hand-off pairs ranks of one revision only (the fingerprint of
+  what must match across it: `pdmesh_service.revision`). A request's revision is the least loaded
+  decode rank's; on a tie, one that has a prefill rank up (a hand-off possible) wins, then the
+  first in sorted order. A revision without a prefill rank serves on its decode ranks alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -85,11 +90,13 @@ class RoutingConfig:
     lookup_timeout_s: float = 0.25  # a slower prefix lookup is skipped (routing on load alone)
 
 
-def prompt_block_hashes(prompt_ids: Sequence[int], block_size: int) -> list[BlockHash]:
-    """The hashes under which an engine with `block_size` caches this prompt's blocks (never the
-    block of the last token, which it always computes)."""
+def prompt_block_hashes(
+    prompt_ids: Sequence[int], block_size: int, cache_salt: str | None = None
+) -> list[BlockHash]:
+    """The hashes under which an engine with `block_size` caches this prompt's blocks for a
+    request with `cache_salt` (never the block of the last token, which it always computes)."""
     full = (len(prompt_ids) - 1) // block_size * block_size
-    return hash_full_blocks(list(prompt_ids[:full]), block_size)
+    return hash_full_blocks(list(prompt_ids[:full]), block_size, cache_salt=cache_salt)
 
 
 def cached_tokens(matched_blocks: int, block_size: int, prompt_tokens: int) -> int:
@@ -120,6 +127,16 @@ def choose_prefill(
         key=lambda c: c.instance_id,
     )
     return next((c for c in tied if c.instance_id > last), tied[0])
+
+
+def choose_revision(
+    decodes: Sequence[tuple[str, tuple[int, ...]]], prefill_revisions: Collection[str]
+) -> str:
+    """The revision of the least loaded decode rank among `decodes` ((revision, load) each);
+    ties to a revision in `prefill_revisions` (one a hand-off can pair), then to the smallest."""
+    if not decodes:
+        raise ValueError("no decode candidate")
+    return min(decodes, key=lambda d: (d[1], d[0] not in prefill_revisions, d[0]))[0]
 
 
 def prefills_locally(uncached_tokens: int, threshold_tokens: int) -> bool:

@@ -21,9 +21,10 @@ from prometheus_client import REGISTRY
 from pdmesh_engine.model.configs import read_model_config
 from pdmesh_engine.tokenizer import Tokenizer
 from pdmesh_gateway.admission import QUEUED_PER_SLOT, QueueLimits
-from pdmesh_gateway.auth import api_key_interceptor
+from pdmesh_gateway.auth import ApiKeyMiddleware, Keys, api_key_interceptor
 from pdmesh_gateway.collector import QueueAwareCollector
 from pdmesh_gateway.core import ModelInfo
+from pdmesh_gateway.fair_queue import DEFAULT_STARVATION_S, FairQueueConfig
 from pdmesh_gateway.metrics import GatewayMetrics
 from pdmesh_gateway.migration import DEFAULT_MAX_MIGRATIONS
 from pdmesh_gateway.orchestrator import (
@@ -36,6 +37,7 @@ from pdmesh_gateway.rest import DEFAULT_MAX_BODY_BYTES, create_app, eplb_view, r
 from pdmesh_gateway.router import Router, refresh_forever
 from pdmesh_gateway.routing import DecodeBalance, LocalPrefill, PrefillRouting, RoutingConfig
 from pdmesh_gateway.servicer import SERVICE_NAME, GenerateServicer, add_to_server
+from pdmesh_gateway.tenants import PriorityClass, Tenants
 from pdmesh_gateway.upstream import WorkerClient
 from pdmesh_service.grpc_server import MeshAuth, start_grpc_server
 from pdmesh_service.logging import get_logger
@@ -79,6 +81,16 @@ class GatewayConfig:
     queue: QueueLimits = field(default_factory=QueueLimits)  # --max-queued, --max-queue-wait-s
     # REST /v1 and /mesh and the gRPC API need `Bearer <api_key>` (auth.py); "": open
     api_key: str = field(default="", repr=False)
+    tenants: Tenants | None = None  # --api-keys-file: keys → tenants and their limits
+    fair_queue: FairQueueConfig = field(default_factory=FairQueueConfig)
+    queue_timeout_s: float | None = None  # the longest wait in the fair queue (then 408)
+
+    @property
+    def keys(self) -> Keys | None:
+        """What the front doors accept: None when they are open."""
+        if not self.api_key and self.tenants is None:
+            return None
+        return Keys(self.api_key, self.tenants)
 
     def __post_init__(self) -> None:
         if self.api_key:
@@ -105,6 +117,8 @@ class GatewayConfig:
             raise ValueError(f"--max-migrations must be >= 0, got {self.max_migrations}")
         if not self.unroutable_wait_s >= 0:
             raise ValueError(f"--unroutable-wait-s must be >= 0, got {self.unroutable_wait_s}")
+        if self.queue_timeout_s is not None and not self.queue_timeout_s > 0:
+            raise ValueError(f"--queue-timeout-s must be positive, got {self.queue_timeout_s}")
 
     @property
     def model_name(self) -> str:
@@ -114,6 +128,7 @@ class GatewayConfig:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common_arguments(p)
     _add_api_key_arguments(p)
+    _add_tenant_arguments(p)
     g = p.add_argument_group("gateway")
     g.add_argument(
         "--model", type=Path, required=True, help="Hugging Face model directory (tokenizer, config)"
@@ -203,6 +218,73 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_tenant_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("tenants and priorities (fair queue)")
+    g.add_argument(
+        "--api-keys-file",
+        metavar="PATH",
+        default=None,
+        help='JSON (or .yaml) {"keys": {KEY: {"tenant", "max_priority", "max_concurrency", '
+        '"max_queued", "max_tokens_per_s", "cache_salt"}}}: each key is a tenant\'s, with its '
+        "limits (every field but tenant optional); --api-key may be given too (no limits)",
+    )
+    g.add_argument(
+        "--max-starting",
+        type=int,
+        default=None,
+        help="requests between their grant by the fair queue and their first byte (default: "
+        "--max-prefill-inflight per prefill and decode rank)",
+    )
+    g.add_argument(
+        "--queue-timeout-s",
+        type=float,
+        default=None,
+        help="a request waiting longer in the fair queue is answered 408 (default: only the "
+        "request timeout)",
+    )
+    g.add_argument(
+        "--class-max-queued",
+        type=parse_class_bounds,
+        default={},
+        metavar="CLASS=N,...",
+        help="waiting requests per priority class (system, interactive, default, batch); more "
+        "are refused with 429 and Retry-After (default: only --max-queued)",
+    )
+    g.add_argument(
+        "--hold-slots-until-end",
+        action="store_true",
+        help="a fair-queue slot is held until the request ends, not its first byte: "
+        "--max-starting then bounds the requests in the mesh (set it to the decode batch), so "
+        "classes and tenants' shares decide who runs, not only who starts",
+    )
+    g.add_argument(
+        "--reserved-slots",
+        type=int,
+        default=0,
+        help="fair-queue slots only system and interactive requests may take",
+    )
+    g.add_argument(
+        "--starvation-s",
+        type=float,
+        default=DEFAULT_STARVATION_S,
+        help="a request of a lower class that waited this long starts before higher ones",
+    )
+
+
+def parse_class_bounds(text: str) -> dict[PriorityClass, int]:
+    """`batch=100,default=50` → {BATCH: 100, DEFAULT: 50}."""
+    bounds: dict[PriorityClass, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or not value.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"expected CLASS=N, got {item!r}")
+        try:
+            bounds[PriorityClass.parse(name.strip(), "the class")] = int(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return bounds
+
+
 def _add_api_key_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("front door")
     g.add_argument(
@@ -239,6 +321,15 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         routing=RoutingConfig(args.prefill_routing, args.local_prefill_tokens, args.decode_balance),
         queue=QueueLimits(args.max_queued, args.max_queue_wait_s),
         api_key=api_key_from(args),
+        tenants=Tenants.from_file(args.api_keys_file) if args.api_keys_file else None,
+        fair_queue=FairQueueConfig(
+            capacity=args.max_starting,
+            class_max_queued=args.class_max_queued,
+            starvation_s=args.starvation_s,
+            hold_until_end=args.hold_slots_until_end,
+            reserved_slots=args.reserved_slots,
+        ),
+        queue_timeout_s=args.queue_timeout_s,
     )
 
 
@@ -288,7 +379,8 @@ async def serve(config: GatewayConfig, ready: asyncio.Event | None = None) -> No
     redis = connect(common.redis_url)
     registry = Registry(redis, common.deployment)
     router = Router(decode_balance=config.routing.decode_balance)
-    metrics = GatewayMetrics(REGISTRY)  # the one set of this process (/metrics exposes REGISTRY)
+    # the one set of this process (/metrics exposes REGISTRY)
+    metrics = GatewayMetrics(REGISTRY, model)
     orchestrator = Orchestrator(
         router,
         tokenizer,
@@ -301,14 +393,19 @@ async def serve(config: GatewayConfig, ready: asyncio.Event | None = None) -> No
         routing=config.routing,
         queue_limits=config.queue,
         workers=WorkerClient(MeshAuth.from_config(common)),
+        tenants=config.tenants,
+        fair_queue=config.fair_queue,
+        queue_timeout_s=config.queue_timeout_s,
+        tenant_registry=REGISTRY,
     )
     servicer = GenerateServicer(orchestrator, tokenizer, model)
+    keys = config.keys
     grpc_server = await start_grpc_server(
         common.host,
         common.port,
         [lambda s: add_to_server(servicer, s)],
         [SERVICE_NAME],
-        interceptors=[api_key_interceptor(config.api_key)] if config.api_key else (),
+        interceptors=[api_key_interceptor(keys)] if keys is not None else (),
     )
     app = create_app(
         orchestrator,
@@ -318,8 +415,11 @@ async def serve(config: GatewayConfig, ready: asyncio.Event | None = None) -> No
         eplb=eplb_view(redis, common.deployment),
         restarts=restarts_view(redis, common.deployment),
         max_body_bytes=int(config.max_body_mb * (1 << 20)),
-        api_key=config.api_key,
+        api_key=config.api_key if config.tenants is None else "",
+        probes=grpc_server.probes,
     )
+    if config.tenants is not None:  # any tenant's key (or the single one) opens /v1 and /mesh
+        app.add_middleware(ApiKeyMiddleware, api_key=keys)
     http, http_task, http_port = await _start_http(app, common.host, config.http_port)
     instance_id = common.instance(Role.GATEWAY, grpc_server.port)
 
@@ -333,6 +433,7 @@ async def serve(config: GatewayConfig, ready: asyncio.Event | None = None) -> No
             ready=True,
             stats=load,
             http_port=http_port,
+            metrics_port=common.metrics_port or 0,
         )
 
     tasks = [

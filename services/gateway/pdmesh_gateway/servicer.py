@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import grpc
 
+from pdmesh_engine.grammar import check_grammar
 from pdmesh_engine.tokenizer import Tokenizer
 from pdmesh_gateway.core import (
     GenerationEvent,
@@ -25,10 +27,13 @@ from pdmesh_gateway.core import (
     new_request_id,
 )
 from pdmesh_gateway.orchestrator import Orchestrator
+from pdmesh_gateway.tenant_admission import tenancy_of
+from pdmesh_gateway.tenants import PRIORITY_HEADER
 from pdmesh_proto.common.v1 import common_pb2
 from pdmesh_proto.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from pdmesh_service.convert import finish_reason_to_pb, sampling_values_from_pb, token_logprob_pb
 from pdmesh_service.errors import MeshError
+from pdmesh_service.grpc_server import metadata_value
 
 SERVICE_NAME = "pdmesh.gateway.v1.Generate"
 
@@ -50,7 +55,13 @@ def to_request(
     request_id = new_request_id(message.request_id or "gen")
     # unset fields take the defaults
     values: dict[str, Any] = sampling_values_from_pb(message.sampling)
-    return build_request(request_id, ids, values, model, name, default_max_tokens=16)
+    request = build_request(request_id, ids, values, model, name, default_max_tokens=16)
+    if request.params.grammar_kind is not None:  # a grammar that does not compile: 400 here
+        try:
+            check_grammar(request.params.grammar_kind, request.params.grammar)
+        except ValueError as e:
+            raise invalid("grammar", str(e)) from None
+    return request
 
 
 def _logprobs(logprobs: Sequence[TokenLogprob]) -> list[common_pb2.TokenLogprob]:
@@ -99,10 +110,22 @@ class GenerateServicer(gateway_pb2_grpc.GenerateServicer):
     def __init__(self, orchestrator: Orchestrator, tokenizer: Tokenizer, model: ModelInfo) -> None:
         self.orchestrator, self.tokenizer, self.model = orchestrator, tokenizer, model
 
-    def _request(self, message: gateway_pb2.GenerateRequest) -> GenerationRequest:
+    def _request(
+        self, message: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> GenerationRequest:
+        """The request with its tenancy (the key's tenant, the x-pdmesh-priority metadata's class,
+        else the sampling priority's)."""
         try:
             self.orchestrator.check_queue()  # RESOURCE_EXHAUSTED at once when the queue is full
-            return to_request(message, self.tokenizer, self.model)
+            request = to_request(message, self.tokenizer, self.model)
+            metadata = context.invocation_metadata()
+            tenancy = tenancy_of(
+                self.orchestrator.tenants,
+                metadata_value(metadata, "authorization"),
+                metadata_value(metadata, PRIORITY_HEADER),
+                request.params.priority if message.sampling.HasField("priority") else None,
+            )
+            return replace(request, tenancy=tenancy)
         except MeshError as e:
             self.orchestrator.metrics.rejected(e)
             raise
@@ -110,7 +133,7 @@ class GenerateServicer(gateway_pb2_grpc.GenerateServicer):
     async def Generate(
         self, message: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.GenerateResponse:
-        request = self._request(message)
+        request = self._request(message, context)
         result = GenerationResult()
         async with contextlib.aclosing(self.orchestrator.generate(request)) as events:
             async for event in events:
@@ -120,7 +143,7 @@ class GenerateServicer(gateway_pb2_grpc.GenerateServicer):
     async def GenerateStream(
         self, message: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateChunk]:
-        request = self._request(message)
+        request = self._request(message, context)
         async with contextlib.aclosing(self.orchestrator.generate(request)) as events:
             async for event in events:
                 yield to_chunk(message.request_id or request.request_id, event)

@@ -264,11 +264,13 @@ class Starter:
             skipped |= {i.instance_id for i in self.router.snapshot() if i.rank != pin}
         return skipped
 
-    def _prefill_ranks(self, request: GenerationRequest, excluded: Exclusions) -> list[str]:
+    def _prefill_ranks(
+        self, request: GenerationRequest, excluded: Exclusions, revision: str | None = None
+    ) -> list[str]:
+        """The usable prefill ranks (of `revision` only, when given: a hand-off's pair)."""
         skipped = self._skipped(excluded, request.dp_rank)
-        return [
-            i.instance_id for i in self.router.ready(Role.PREFILL) if i.instance_id not in skipped
-        ]
+        ready = self.router.ready(Role.PREFILL, revision)
+        return [i.instance_id for i in ready if i.instance_id not in skipped]
 
     async def _start_once(
         self, request: GenerationRequest, deadline: float, excluded: Exclusions, bounded: bool
@@ -308,7 +310,9 @@ class Starter:
             ranks += prefills if len(prefills) > 1 else []
         if self.local_threshold > 0:
             ranks += [i for i in self.router.ready(Role.DECODE) if i.instance_id not in skipped]
-        return await self.lookup.cached(request.prompt_ids, ranks) if ranks else {}
+        if not ranks:
+            return {}
+        return await self.lookup.cached(request.prompt_ids, ranks, request.params.cache_salt)
 
     def _local_decode(
         self, request: GenerationRequest, excluded: Exclusions, cached: dict[str, int]
@@ -336,11 +340,13 @@ class Starter:
         choice = None
         if self.routing.prefill is PrefillRouting.CACHE_AWARE:
             choice = _PrefillChoice(self, len(request.prompt_ids), cached)
-        rank = await self._admit(request, deadline, excluded, choice, bounded)
+        # the hand-off pairs ranks of one revision: the least loaded decode rank's
+        revision = self.router.decode_revision(self._skipped(excluded, request.dp_rank))
+        rank = await self._admit(request, deadline, excluded, choice, bounded, revision)
         if rank is None:
             return None
         stream = await self._start_disagg(
-            request, deadline, excluded, rank, choice.tokens if choice else 0
+            request, deadline, excluded, rank, choice.tokens if choice else 0, revision
         )
         stream.prefill_path = str(Path.DISAGG)
         return stream
@@ -350,6 +356,10 @@ class Starter:
         if left <= 0:
             raise errors.DeadlineExceeded(f"request timed out after {self.request_timeout_s:g}s")
         return left
+
+    def waiting_here(self) -> contextlib.AbstractContextManager[None]:
+        """Counts a request as waiting at the gateway (the fair queue's wait, too)."""
+        return self._waiting()
 
     @contextlib.contextmanager
     def _waiting(self) -> Iterator[None]:
@@ -370,6 +380,7 @@ class Starter:
         excluded: Exclusions,
         choice: _PrefillChoice | None,
         bounded: bool,
+        revision: str | None = None,
     ) -> str | None:
         """A slot of a ready prefill rank, FCFS (`PrefillAdmission`), of the rank `choice` picks
         when given; None when no prefill rank is usable; `Shed` at once when `bounded` and the
@@ -378,7 +389,9 @@ class Starter:
             try:
                 return await asyncio.wait_for(
                     self.admission.acquire(
-                        lambda: self._prefill_ranks(request, excluded), choice, bounded=bounded
+                        lambda: self._prefill_ranks(request, excluded, revision),
+                        choice,
+                        bounded=bounded,
                     ),
                     self._timeout(deadline),
                 )
@@ -395,6 +408,7 @@ class Starter:
         excluded: Exclusions,
         rank: str,
         tokens: int,
+        revision: str | None = None,
     ) -> DecodeStream:
         """Reserve → Prefill while holding the admission slot of `rank` (whose choice cost it
         `tokens`), then Decode; the phases' times feed `handoffs`."""
@@ -406,7 +420,7 @@ class Starter:
             if prefill is None:
                 raise errors.Unavailable(f"prefill {rank} left the mesh")
             t0 = clock()
-            decode, target = await self._reserve(request, deadline, excluded)
+            decode, target = await self._reserve(request, deadline, excluded, revision)
             t1 = clock()
             first = await self._prefill(request, prefill, decode, target, deadline, excluded)
             t2 = clock()
@@ -427,7 +441,11 @@ class Starter:
         return stream
 
     async def _reserve(
-        self, request: GenerationRequest, deadline: float, excluded: Exclusions
+        self,
+        request: GenerationRequest,
+        deadline: float,
+        excluded: Exclusions,
+        revision: str | None = None,
     ) -> tuple[InstanceInfo, common_pb2.KVTarget]:
         """Blocks on a ready decode rank: passes over the ranks (`_reserve_pass`), waiting between
         passes while every rank is short of blocks, until the deadline (then `Overloaded`)."""
@@ -451,10 +469,14 @@ class Starter:
             sleep=sleep,
             retry_error_callback=overloaded,
         )
-        return await retried(retrying, self._reserve_pass, request, deadline, excluded)
+        return await retried(retrying, self._reserve_pass, request, deadline, excluded, revision)
 
     async def _reserve_pass(
-        self, request: GenerationRequest, deadline: float, excluded: Exclusions
+        self,
+        request: GenerationRequest,
+        deadline: float,
+        excluded: Exclusions,
+        revision: str | None = None,
     ) -> tuple[InstanceInfo, common_pb2.KVTarget]:
         """Reserve on the least loaded decode rank that has the blocks. A rank short of them is
         skipped for this pass (it holds nothing under the id). A rank that fails otherwise is
@@ -468,7 +490,7 @@ class Starter:
         full: set[str] = set()
         while True:
             try:
-                decode = self.router.pick_decode(self._skipped(excluded) | full)
+                decode = self.router.pick_decode(self._skipped(excluded) | full, revision)
             except NoInstance:
                 if not full:
                     raise

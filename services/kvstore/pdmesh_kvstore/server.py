@@ -92,7 +92,13 @@ async def serve(config: KVStoreConfig, ready: asyncio.Event | None = None) -> No
         )
         stack.push_async_callback(server.stop)
         instance_id = common.instance(ROLE, server.port)
-        info = InstanceInfo(instance_id, ROLE, common.address(server.port), ready=True)
+        info = InstanceInfo(
+            instance_id,
+            ROLE,
+            common.address(server.port),
+            ready=True,
+            metrics_port=common.metrics_port or 0,
+        )
         await stay_registered(stack, registry, lambda: info, common.heartbeat_s)
         _start_index_sweep(stack, servicer.index, registry, common.heartbeat_s)
         await server.set_serving(True)

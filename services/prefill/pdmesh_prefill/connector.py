@@ -5,8 +5,10 @@ Two halves, one per thread (like vLLM's scheduler-side and worker-side connector
   hand-off (RESERVED → TRANSFERRING, `kvstore_client.move_handoff`), WRITE — and ends it with
   what `core.END_ACTIONS` says it owes (abort the request, CANCEL the hand-off, forget the peer).
 - `KVPusher` (engine thread, the loop's `EngineRole`) runs the prompt with `hold_blocks`, posts the
-  ONE NIXL WRITE (notification = request id), polls it until DONE or FAILED, and only then releases
-  the blocks and answers (`PushResult`, or `TransferFailed`: none of its WRITEs is in flight).
+  ONE NIXL WRITE (notification = request id, with the digest of the bytes sent where `--kv-digest`
+  asks: `pdmesh_engine.transfer.digest`), polls it until DONE or FAILED, and only then releases
+  the blocks and answers (`PushResult`, or `TransferFailed`: none of its WRITEs is in flight). Its
+  fault hook (`digest.CorruptKV`, tests and `bench chaos --corrupt-kv`) flips one byte in flight.
 
 Block ownership: from `compute` until a WRITE is posted the engine holds the prompt's blocks for the
 connector (an ending aborts the request to free them); once posted, the WRITE owns them until it
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdmesh_engine.sampling import SamplingParams
 from pdmesh_engine.scheduler import StepOutput
+from pdmesh_engine.transfer.digest import CorruptKV, DigestMode, is_digested
 from pdmesh_prefill.core import (
     PushFlow,
     PushState,
@@ -82,8 +85,16 @@ class KVPusher:
     """The engine-thread half (the role hooks `PrefillConnector` hands on): all but `compute` and
     `write` run in the engine thread."""
 
-    def __init__(self, loop: EngineLoop, agent: KVTransferAgent) -> None:
+    def __init__(
+        self,
+        loop: EngineLoop,
+        agent: KVTransferAgent,
+        digest: DigestMode = "off",
+        corrupt: CorruptKV | None = None,
+    ) -> None:
+        """`digest`: which hand-offs carry a digest; `corrupt`: the fault hook (None: off)."""
         self.loop, self.agent = loop, agent
+        self.digest, self.corrupt = digest, corrupt
         self._pushes: dict[str, _Push] = {}
 
     async def compute(
@@ -124,6 +135,8 @@ class KVPusher:
                 target.groups,
                 {name: list(ids) for name, ids in target.block_ids.items()},
                 push.step.num_prompt_tokens,
+                digest=is_digested(self.digest, request_id),
+                corrupt_at=self.corrupt.draw() if self.corrupt is not None else None,
             )
             # every KV group's blocks of the prompt that decode needs, every pool and layer
             push.num_bytes, push.num_draft_bytes = push.transfer.nbytes, push.transfer.draft_nbytes
@@ -172,6 +185,9 @@ class KVPusher:
             measured = push.transfer.seconds if push.transfer is not None else None
             seconds = measured if measured is not None else time.perf_counter() - push.started
             self.loop.metrics.kv_sent(push.num_bytes, seconds, push.num_draft_bytes)
+            if push.transfer is not None and push.transfer.corrupted_address is not None:
+                self.loop.metrics.kv_corruption_injected()
+                log.warning("fault hook: KV sent with one byte flipped", request_id=request_id)
             self._answer(
                 push.waiter,
                 PushResult(push.step, push.num_bytes, seconds, push.num_draft_bytes),

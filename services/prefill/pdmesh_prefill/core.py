@@ -35,13 +35,19 @@ WRITE, so decode proposes from its first step. Both ranks must run the same prop
 (`EngineCore.speculative`, carried by the target): `check_speculation` refuses a hand-off between
 ranks that differ (a decode rank expecting proposer KV is never paired silently with a prefill rank
 that computes none, nor the other way round).
+
+Revisions: a target carries its rank's revision (`pdmesh_service.revision`: checkpoint, KV layout
+and dtype, block size, speculative setting, KV format version); `check_revision` refuses one of
+another revision than this rank's (`RevisionMismatch`, FAILED_PRECONDITION with both fingerprints
+and the parts that differ). The gateway pairs only ranks of one revision; this is the fence behind
+it (a gateway of an older release, a stale view during a rolling update).
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from pdmesh_engine.sampling import SamplingParams
 from pdmesh_engine.transfer.layout import KVGroup, check_groups
@@ -53,6 +59,7 @@ from pdmesh_service.errors import (
     Unavailable,
 )
 from pdmesh_service.handoff import HandoffState, Moved, MoveOutcome, Unknown, state_found
+from pdmesh_service.revision import Revision, mismatch
 
 _S = HandoffState
 
@@ -70,6 +77,22 @@ class PushTarget:
     groups: tuple[KVGroup, ...]
     block_ids: Mapping[str, tuple[int, ...]]  # by group, by logical block index
     speculative: str = ""  # the decode rank's `EngineCore.speculative` ("": off)
+    revision: str = ""  # the decode rank's revision fingerprint ("": not reported)
+    revision_parts: Mapping[str, str] = field(default_factory=dict)  # what it hashes
+
+
+class RevisionMismatch(FailedPrecondition):
+    """The target rank runs another revision than this one: no hand-off between them."""
+
+
+def check_revision(target: PushTarget, revision: Revision) -> None:
+    """`RevisionMismatch` unless the target's revision is this rank's (the message names both
+    fingerprints and the parts that differ)."""
+    why = mismatch(revision.fingerprint, revision.parts, target.revision, target.revision_parts)
+    if why is not None:
+        raise RevisionMismatch(
+            f"decode rank {target.agent_name} cannot take this prefill rank's KV: {why}"
+        )
 
 
 def _speculation(setting: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,8 +21,11 @@ from pdmesh_service.worker.dep_instance import (
     run_instance,
 )
 from pdmesh_service.worker.engine_options import (
+    KVIntegrityOptions,
     add_engine_options,
+    add_kv_integrity_options,
     add_speculative_options,
+    kv_integrity_from_args,
     resolve_model,
     worker_engine_config,
 )
@@ -38,12 +42,14 @@ class PrefillConfig:
     engine: EngineConfig
     kvstore: str = ""  # host:port of the kvstore; empty: find it in the registry
     dep: DEPOptions = DEPOptions()  # --dep N: N rank processes (see worker.dep_instance)
+    integrity: KVIntegrityOptions = KVIntegrityOptions()  # --kv-digest, the fault hook
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
     add_engine_options(parser)
     add_speculative_options(parser)
+    add_kv_integrity_options(parser)
     add_dep_arguments(parser)
     g = parser.add_argument_group("prefill")
     g.add_argument(
@@ -60,14 +66,15 @@ def config_from_args(args: argparse.Namespace) -> PrefillConfig:
         engine,
         args.kvstore,
         dep,
+        kv_integrity_from_args(args),
     )
 
 
-def _make_worker(parts: WorkerParts) -> Worker[PrefillServicer]:
+def _make_worker(parts: WorkerParts, integrity: KVIntegrityOptions) -> Worker[PrefillServicer]:
     """The connector (the loop's role, with its pusher) and the servicer over it."""
-    connector = PrefillConnector(
-        parts.engine, KVPusher(parts.engine, parts.agent), parts.kvstore, parts.instance_id
-    )
+    fault = integrity.fault(parts.instance_id)
+    pusher = KVPusher(parts.engine, parts.agent, integrity.digest, fault)
+    connector = PrefillConnector(parts.engine, pusher, parts.kvstore, parts.instance_id)
     return Worker(
         connector,
         PrefillServicer(
@@ -76,6 +83,7 @@ def _make_worker(parts: WorkerParts) -> Worker[PrefillServicer]:
             parts.instance_id,
             parts.agent.groups,
             parts.engine.engine.speculative,
+            parts.revision,
         ),
     )
 
@@ -83,7 +91,10 @@ def _make_worker(parts: WorkerParts) -> Worker[PrefillServicer]:
 async def serve(config: PrefillConfig, ready: asyncio.Event | None = None) -> None:
     """Serve until cancelled; `ready` is set once the rank takes requests."""
     spec = WorkerSpec(
-        ROLE, SERVICE_NAME, _make_worker, prefill_pb2_grpc.add_PrefillServicer_to_server
+        ROLE,
+        SERVICE_NAME,
+        functools.partial(_make_worker, integrity=config.integrity),
+        prefill_pb2_grpc.add_PrefillServicer_to_server,
     )
     await run_worker(
         spec, config.common, config.model_dir, config.engine, config.kvstore, ready, config.dep

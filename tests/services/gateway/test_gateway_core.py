@@ -129,8 +129,11 @@ CHAT_ERRORS = [
     ({"max_completion_tokens": -1}, "max_completion_tokens"),
     ({"max_completion_tokens": 10**6}, "max_completion_tokens"),
     ({"n": 2}, "n"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    (
+        {"tools": [{"type": "function", "function": {"name": "no spaces"}}]},
+        "tools[0].function.name",
+    ),
+    ({"response_format": {"type": "xml"}}, "response_format"),
     ({"messages": [{"role": "user", "content": "word " * CONTEXT}]}, "messages"),
 ]
 

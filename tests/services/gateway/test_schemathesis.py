@@ -70,6 +70,8 @@ OPERATIONS = [
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
     ("GET", "/health"),
+    ("GET", "/health/live"),
+    ("GET", "/health/ready"),
     ("GET", "/metrics"),
     ("GET", "/mesh"),
     ("GET", "/mesh/eplb"),

@@ -80,10 +80,14 @@ def test_sampling_round_trips_through_the_wire() -> None:
         seed=2**64 - 1,
         stop=("x", "yz"),
         stop_token_ids=(4, 5),
-        ignore_eos=True,
-        min_tokens=2,
+        ignore_eos=False,  # set, at its default: present on the wire all the same
+        min_tokens=0,
         logprobs=3,
         include_stop_str_in_output=True,
+        grammar_kind="regex",
+        grammar="a+",
+        cache_salt="tenant",
+        priority=-3,
     )
     pb = sampling_to_pb(params)
     assert pb.seed == -1  # uint64 seeds wrap into the int64 field
@@ -111,6 +115,17 @@ def test_workers_get_no_stop_strings(tok, model) -> None:  # noqa: F811 - fixtur
     pb = sampling_pb(request)
     assert list(pb.stop) == [] and not pb.HasField("include_stop_str_in_output")
     assert pb.max_tokens == 4 and pb.seed == 9
+
+
+def test_a_grpc_grammar_is_compiled_before_routing(tok, model) -> None:  # noqa: F811 - fixtures
+    def request(kind: str, grammar: str):
+        sampling = common_pb2.SamplingParams(max_tokens=4, grammar_kind=kind, grammar=grammar)
+        return to_request(gateway_pb2.GenerateRequest(text="Hi", sampling=sampling), tok, model)
+
+    assert request("regex", "[a-z]+").params.grammar == "[a-z]+"
+    with pytest.raises(InvalidArgument, match="regex grammar does not compile") as e:
+        request("regex", "a(")
+    assert e.value.param == "grammar"
 
 
 # ----- token logprobs and chunks -----------------------------------------------------------------

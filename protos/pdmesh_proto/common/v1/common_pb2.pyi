@@ -119,16 +119,27 @@ class KVGroup(_message.Message):
     def __init__(self, name: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[KVLayout, _Mapping]]] = ..., block_ids: _Optional[_Iterable[int]] = ..., span: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class KVTarget(_message.Message):
-    __slots__ = ("agent_name", "instance_id", "speculative", "groups")
+    __slots__ = ("agent_name", "instance_id", "speculative", "groups", "revision", "revision_parts")
+    class RevisionPartsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    REVISION_PARTS_FIELD_NUMBER: _ClassVar[int]
     agent_name: str
     instance_id: str
     speculative: str
     groups: _containers.RepeatedCompositeFieldContainer[KVGroup]
-    def __init__(self, agent_name: _Optional[str] = ..., instance_id: _Optional[str] = ..., speculative: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[KVGroup, _Mapping]]] = ...) -> None: ...
+    revision: str
+    revision_parts: _containers.ScalarMap[str, str]
+    def __init__(self, agent_name: _Optional[str] = ..., instance_id: _Optional[str] = ..., speculative: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[KVGroup, _Mapping]]] = ..., revision: _Optional[str] = ..., revision_parts: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("check_integrity",)
@@ -137,7 +148,7 @@ class StatusRequest(_message.Message):
     def __init__(self, check_integrity: _Optional[bool] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("instance_id", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_free", "kv_blocks_total", "kv_bytes_sent", "kv_bytes_received", "transfer_failures", "lease_expiries", "integrity_error", "integrity_checked", "kv_quarantines", "rank", "dp_size", "expert_weight_bytes", "requests_total")
+    __slots__ = ("instance_id", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_free", "kv_blocks_total", "kv_bytes_sent", "kv_bytes_received", "transfer_failures", "lease_expiries", "integrity_error", "integrity_checked", "kv_quarantines", "rank", "dp_size", "expert_weight_bytes", "requests_total", "kv_digest_mismatches", "kv_corruptions_injected")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +166,8 @@ class WorkerStatus(_message.Message):
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
     EXPERT_WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_DIGEST_MISMATCHES_FIELD_NUMBER: _ClassVar[int]
+    KV_CORRUPTIONS_INJECTED_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     num_running: int
     num_waiting: int
@@ -172,4 +185,6 @@ class WorkerStatus(_message.Message):
     dp_size: int
     expert_weight_bytes: int
     requests_total: int
-    def __init__(self, instance_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., integrity_error: _Optional[str] = ..., integrity_checked: _Optional[bool] = ..., kv_quarantines: _Optional[int] = ..., rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., expert_weight_bytes: _Optional[int] = ..., requests_total: _Optional[int] = ...) -> None: ...
+    kv_digest_mismatches: int
+    kv_corruptions_injected: int
+    def __init__(self, instance_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., integrity_error: _Optional[str] = ..., integrity_checked: _Optional[bool] = ..., kv_quarantines: _Optional[int] = ..., rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., expert_weight_bytes: _Optional[int] = ..., requests_total: _Optional[int] = ..., kv_digest_mismatches: _Optional[int] = ..., kv_corruptions_injected: _Optional[int] = ...) -> None: ...

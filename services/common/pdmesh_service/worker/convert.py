@@ -77,6 +77,8 @@ def worker_status_pb(instance_id: str, status: EngineStatus) -> common_pb2.Worke
         dp_size=status.dp_size,
         expert_weight_bytes=status.expert_weight_bytes,
         requests_total=stats.requests_total,
+        kv_digest_mismatches=stats.kv_digest_mismatches,
+        kv_corruptions_injected=stats.kv_corruptions_injected,
     )
 
 

@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pdmesh_engine.engine_core import EngineCore
@@ -128,6 +129,9 @@ class EngineLoop:
         self.engine, self.agent, self.instance_id = engine, agent, instance_id
         self.rank, self.dp_size = rank, dp_size
         self.metrics = metrics if metrics is not None else WorkerMetrics(instance_id)
+        model_dir = getattr(engine, "model_dir", None)  # the served model's name labels vllm:*
+        if model_dir is not None:
+            self.metrics.serve_model(Path(model_dir).resolve().name)
         self.role: EngineRole | None = None  # given to `start`
         self.streams: dict[str, RequestStream] = {}  # engine thread only
         self._commands: queue.SimpleQueue[_Command | object] = queue.SimpleQueue()
@@ -346,8 +350,11 @@ class EngineLoop:
 
     def _deliver_outputs(self, outputs: list[StepOutput]) -> None:
         items: list[StreamItem] = []
+        now = time.monotonic()
         for output in outputs:
-            if self.role is not None and self.role.take(output):
+            taken = self.role is not None and self.role.take(output)
+            self.metrics.observe_output(output, taken, now)
+            if taken:
                 continue
             stream = self.streams.get(output.request_id)
             if stream is not None:
@@ -364,12 +371,14 @@ class EngineLoop:
         self.engine.add_request(prompt_ids, params, request_id)
         self.attach(stream)
         self.metrics.request_taken()
+        self.metrics.prompt_submitted(request_id)
 
     def _abort(self, request_id: str) -> bool:
         found, busy = self.role.abort(request_id) if self.role is not None else (False, False)
         if busy:  # NIXL may still use the blocks: the role frees them when that is over
             return True
         found = self.engine.abort(request_id) or found
+        self.metrics.forget(request_id)
         stream = self.streams.pop(request_id, None)
         if stream is not None:
             self.post(feed, [(stream, stream.aborted_output())])
@@ -406,6 +415,7 @@ class EngineLoop:
         if self.streams:
             self.post(feed, [(stream, error) for stream in self.streams.values()])
         self.streams.clear()
+        self.metrics.forget_all()
         busy = self.role.fail_all(error) if self.role is not None else set()
         for request_id in self.engine.request_ids():
             if request_id not in busy:

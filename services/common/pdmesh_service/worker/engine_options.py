@@ -2,7 +2,9 @@
 
 Every default is `EngineConfig`'s (`_DEFAULTS`), and `engine_argv` writes back only what differs
 from it. Workers (and `pdmesh up`, which passes them on) also take the speculative-decoding options
-(`add_speculative_options`; `worker_engine_config` reads both groups).
+(`add_speculative_options`; `worker_engine_config` reads both groups), and the KV-integrity options
+of a hand-off (`add_kv_integrity_options`: `--kv-digest`, and on workers the fault hook
+`--fault-corrupt-kv`; `kv_integrity_from_args` reads them).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import dataclasses
 from pathlib import Path
 
 from pdmesh_engine.config import DTYPE_NAMES, SPECULATIVE_METHODS, EngineConfig
+from pdmesh_engine.transfer.digest import DIGEST_MODES, CorruptKV, DigestMode, check_mode
 
 _DEFAULTS = EngineConfig()
 _MIB = 1 << 20
@@ -175,6 +178,84 @@ def worker_engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+DEFAULT_KV_DIGEST: DigestMode = "sampled"
+
+
+@dataclasses.dataclass(frozen=True)
+class KVIntegrityOptions:
+    """How a worker checks the KV of its hand-offs (`pdmesh_engine.transfer.digest`), and the fault
+    hook that tests it: each WRITE flips one byte with probability `corrupt_kv` (at most
+    `corrupt_kv_limit` times when > 0; seeded by `fault_seed` and the rank's instance id)."""
+
+    digest: DigestMode = DEFAULT_KV_DIGEST
+    corrupt_kv: float = 0.0
+    corrupt_kv_limit: int = 0
+    fault_seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_mode(self.digest)
+        if not 0.0 <= self.corrupt_kv <= 1.0:
+            raise ValueError(f"--fault-corrupt-kv must be in [0, 1], got {self.corrupt_kv}")
+        if self.corrupt_kv_limit < 0:
+            raise ValueError(f"--fault-corrupt-kv-limit must be >= 0, got {self.corrupt_kv_limit}")
+
+    def fault(self, instance_id: str) -> CorruptKV | None:
+        """The prefill rank's fault hook (None: off)."""
+        if self.corrupt_kv <= 0.0:
+            return None
+        seed = f"{self.fault_seed}:{instance_id}"
+        return CorruptKV(self.corrupt_kv, seed, self.corrupt_kv_limit)
+
+
+def add_kv_integrity_options(p: argparse.ArgumentParser, faults: bool = True) -> None:
+    """--kv-digest (every command that runs or launches workers) and, with `faults`, the test hook
+    --fault-corrupt-kv[-limit] and --fault-seed (prefill acts on them; decode accepts them, as the
+    launcher passes one set of worker options to both)."""
+    g = p.add_argument_group("KV integrity")
+    g.add_argument(
+        "--kv-digest",
+        choices=DIGEST_MODES,
+        default=DEFAULT_KV_DIGEST,
+        help="digest of each hand-off's KV bytes, sent by prefill and checked by decode before "
+        "admission; a mismatch fails the hand-off closed (retried elsewhere). sampled: 1 hand-off "
+        "in 16, chosen by request id; all: every one; off: none. Give prefill and decode the same "
+        f"mode (default: {DEFAULT_KV_DIGEST})",
+    )
+    if not faults:
+        return
+    g.add_argument(
+        "--fault-corrupt-kv",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="TEST HOOK (prefill): flip one byte of a KV WRITE in flight with probability P "
+        "(the rank's own KV stays intact); for tests and `pdmesh bench chaos --corrupt-kv`",
+    )
+    g.add_argument(
+        "--fault-corrupt-kv-limit",
+        type=int,
+        default=0,
+        metavar="N",
+        help="TEST HOOK: at most N corrupted WRITEs per rank (0: no limit)",
+    )
+    g.add_argument("--fault-seed", type=int, default=0, help="TEST HOOK: seed of the fault draws")
+
+
+def kv_integrity_from_args(args: argparse.Namespace) -> KVIntegrityOptions:
+    return KVIntegrityOptions(
+        args.kv_digest,
+        getattr(args, "fault_corrupt_kv", 0.0),
+        getattr(args, "fault_corrupt_kv_limit", 0),
+        getattr(args, "fault_seed", 0),
+    )
+
+
+def kv_integrity_argv(args: argparse.Namespace) -> list[str]:
+    """--kv-digest as a worker flag when `args` has it and it is not the default."""
+    mode = getattr(args, "kv_digest", DEFAULT_KV_DIGEST)
+    return [] if mode == DEFAULT_KV_DIGEST else ["--kv-digest", mode]
+
+
 def resolve_model(model: Path | None) -> Path:
     """The --model directory; a worker needs one (`pdmesh serve` fills in the cached default
     model)."""
@@ -196,7 +277,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
             argv += [flag, str(value // _MIB if name == "kv_cache_memory_bytes" else value)]
     if not config.enable_prefix_caching:
         argv.append("--no-prefix-caching")
-    return argv + speculative_argv(args)
+    return argv + speculative_argv(args) + kv_integrity_argv(args)
 
 
 def speculative_argv(args: argparse.Namespace) -> list[str]:

@@ -5,10 +5,11 @@ speculative proposer's pool beside it, when speculation is on) and the rank's `W
 publishes the agent's metadata in the kvstore, builds the role's `Worker` from those parts
 (`WorkerSpec.make_worker`: the role that runs in the engine thread and the servicer over it), starts
 the engine thread with that role and the gRPC server, then heartbeats `InstanceInfo(ready=True,
-stats=...)` (and sets the load gauges) and, with prefix caching on, publishes the pool's KV events
-to the kvstore's prefix index (`worker.kv_events`, rank id = the instance id) until cancelled; on
-the way out it stops publishing, deregisters, stops serving, closes the role, aborts everything in
-the engine and closes its clients (in that order).
+stats=...)` with the rank's revision (`engine_revision`: what must match across a hand-off) and,
+from SIGTERM on with --drain-s, `draining=True` (and sets the load gauges) and, with prefix
+caching on, publishes the pool's KV events to the kvstore's prefix index (`worker.kv_events`, rank
+id = the instance id) until cancelled; on the way out it stops publishing, deregisters, stops
+serving, closes the role, aborts everything in the engine and closes its clients (in that order).
 
 A DEP rank (`DEPOptions.is_rank`; its `common` comes from `dep_instance.rank_common`) first joins
 its instance's group, builds the engine with its share of the experts, registers as `<id>-r<rank>`
@@ -36,14 +37,17 @@ from pdmesh_engine.engine_core import EngineCore
 from pdmesh_engine.model.configs import check_mesh_model
 from pdmesh_engine.parallel.dep import DEPConfig, DEPContext, init_dep, shutdown_dep
 from pdmesh_engine.transfer.agent import KVTransferAgent
+from pdmesh_engine.transfer.layout import KV_FORMAT_VERSION
 from pdmesh_service.errors import MeshError
 from pdmesh_service.grpc_server import MeshAuth, start_grpc_server
 from pdmesh_service.instance import Role
 from pdmesh_service.kvstore_client import KVStoreClient
 from pdmesh_service.logging import get_logger
 from pdmesh_service.options import CommonConfig, ServiceStopped
+from pdmesh_service.probes import Probes
 from pdmesh_service.redis_server import free_port
 from pdmesh_service.registry import InstanceInfo, Registry, connect, stay_registered
+from pdmesh_service.revision import Revision, checkpoint_identity, revision_parts
 from pdmesh_service.tasks import pause, stop_with
 from pdmesh_service.worker.convert import heartbeat_stats
 from pdmesh_service.worker.dep_instance import DEPOptions, master_addr
@@ -76,6 +80,7 @@ class WorkerParts:
     engine: EngineLoop  # not started yet: `run_worker` starts it with the role built from these
     agent: KVTransferAgent
     kvstore: KVStoreClient
+    revision: Revision = Revision()  # what a hand-off peer must match (`engine_revision`)
 
 
 @dataclass(frozen=True)
@@ -179,7 +184,8 @@ async def run_worker(
             lambda: kvstore.register_agent(instance_id, agent.metadata(), instance_id),
             "registering the NIXL agent in the kvstore",
         )
-        worker = spec.make_worker(WorkerParts(instance_id, loop, agent, kvstore))
+        revision = await asyncio.to_thread(engine_revision, engine, model_dir, agent)
+        worker = spec.make_worker(WorkerParts(instance_id, loop, agent, kvstore, revision))
         loop.start(worker.role)
         stack.push_async_callback(loop.stop)
         stack.push_async_callback(worker.role.close)  # before the loop stops, after the server did
@@ -200,11 +206,15 @@ async def run_worker(
             model=Path(model_dir).resolve().name,
             ready=True,
             block_size=engine.kv_layout.block_size if engine_config.enable_prefix_caching else 0,
+            metrics_port=common.metrics_port or 0,
+            revision=revision.fingerprint,
         )
+        report = _LoadReport(loop, info, server.probes, kv=spec.role == "decode")
+        server.probes.add_fatal_check(lambda: _engine_ended(loop))
         await stay_registered(
             stack,
             registry,
-            _LoadReport(loop, info),
+            report,
             common.heartbeat_s,
             on_missing=lambda: kvstore.register_agent(instance_id, agent.metadata(), instance_id),
         )
@@ -234,10 +244,23 @@ async def run_worker(
             kv_blocks=engine.kv_layout.num_blocks,
             speculative=engine.speculative or "off",
             num_speculative_tokens=engine_config.num_spec_tokens,
+            revision=revision.fingerprint,
         )
         if ready is not None:
             ready.set()
         await _until_stopped(loop, instance_id, context is not None)
+
+
+def engine_revision(engine: EngineCore, model_dir: Path, agent: KVTransferAgent) -> Revision:
+    """The rank's revision (`pdmesh_service.revision`): its checkpoint (and the draft model's),
+    the KV groups its agent registered, the KV pool's dtype, the proposer, `KV_FORMAT_VERSION`."""
+    draft = engine.config.draft_model if engine.speculative.startswith("draft_model") else None
+    checkpoint = checkpoint_identity(model_dir, *([draft] if draft else []))
+    dtypes = {str(t.dtype).removeprefix("torch.") for m in engine.kv_memory() for t in m.tensors}
+    dtype = ",".join(sorted(dtypes))
+    return Revision(
+        revision_parts(checkpoint, agent.groups, dtype, engine.speculative, KV_FORMAT_VERSION)
+    )
 
 
 def _join_dep(common: CommonConfig, dep: DEPOptions) -> DEPContext:
@@ -282,27 +305,48 @@ STATUS_WAIT_S = 0.5  # a heartbeat waits this long for the engine's load, then r
 ENGINE_SILENT_S = 60.0  # an engine thread that has not answered for this long: reported not ready
 
 
+def _engine_ended(loop: EngineLoop) -> str | None:
+    """Why the engine thread ended (a crash, a device fault), None while it runs: for liveness."""
+    if loop.ended is None or not loop.ended.done() or loop.ended.cancelled():
+        return None
+    return f"the engine loop ended: {loop.ended.result()}"
+
+
 class _LoadReport:
     """The rank's heartbeat: its info with the engine's latest load. The load comes from the engine
     thread, between steps; a beat waits at most `STATUS_WAIT_S` for it and otherwise reports the
     last one, so a long step (a big prefill chunk on a busy CPU) does not delay the beat and make
     the gateway give the rank up (liveness is the process's, not the step's). An engine thread
-    silent for `ENGINE_SILENT_S` is reported `ready=False` (not routable) until it answers."""
+    silent for `ENGINE_SILENT_S` is reported `ready=False` (not routable) until it answers. The
+    process's probes learn the same (and, for a decode rank, its free KV blocks). Once the probes
+    say draining (SIGTERM with --drain-s), every beat says `draining=True`: the gateway sends it
+    nothing new but keeps its calls open (a rolling update drains the old revision so)."""
 
-    def __init__(self, loop: EngineLoop, info: InstanceInfo) -> None:
-        self.loop, self.info = loop, info
+    def __init__(
+        self, loop: EngineLoop, info: InstanceInfo, probes: Probes | None = None, kv: bool = False
+    ) -> None:
+        self.loop, self.info, self.probes, self.kv = loop, info, probes, kv
         self.pending: asyncio.Future[Any] | None = None
         self.answered_at = time.monotonic()
 
     async def __call__(self) -> InstanceInfo:
+        if self.probes is not None and self.probes.draining and not self.info.draining:
+            self.info = replace(self.info, draining=True)
         if self.pending is None:
             self.pending = asyncio.ensure_future(self.loop.status())
         try:
             status = await asyncio.wait_for(asyncio.shield(self.pending), STATUS_WAIT_S)
         except TimeoutError:
             silent = time.monotonic() - self.answered_at > ENGINE_SILENT_S
+            if self.probes is not None:
+                reason = f"the engine has not answered for {ENGINE_SILENT_S:g}s" if silent else None
+                self.probes.set_problem("engine", reason)
             return replace(self.info, ready=False) if silent else self.info
         self.pending, self.answered_at = None, time.monotonic()
+        if self.probes is not None:
+            self.probes.set_problem("engine", None)
+            if self.kv:
+                self.probes.kv = (status.kv_blocks_free, status.kv_blocks_total)
         self.loop.metrics.observe_load(status.load)
         self.info = replace(self.info, stats=heartbeat_stats(status))
         return self.info
