@@ -147,6 +147,10 @@ class EngineCore:
                 size=dep.config.size,
                 draft_placement=self.draft_stager,
             )
+        self.dep = dep
+        if dep is not None and dep.elastic is not None and self.lockstep is not None:
+            self.lockstep.join_pending = dep.elastic.join_pending
+            self.lockstep.recover = self._recover
         proposer = self.runner.proposer
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -243,11 +247,32 @@ class EngineCore:
             sampled = self.lockstep.execute(output, self.scheduler.requests, pending)
             if self.spec_counter is not None:
                 self._count_spec(sampled.values(), self.spec_counter)
+            outputs = self.scheduler.update_from_output(output, sampled)
+            record = self.lockstep.last
+            if record is not None and record.regroup:  # a rank joins: every member, this step
+                self.reform()
+            return outputs
         elif self.spec_counter is not None:
             return self._spec_step(output, self.spec_counter)
         else:
             sampled = self.runner.execute(output, self.scheduler.requests)
         return self.scheduler.update_from_output(output, sampled)
+
+    def _recover(self) -> None:
+        """Elastic DEP, a collective failed: abort this rank's groups (its peers fail at once),
+        then re-form without the lost rank."""
+        if self.dep is not None and self.dep.elastic is not None:
+            self.dep.elastic.abort()
+        self.reform(failed=True)
+
+    def reform(self, failed: bool = False) -> None:
+        """Elastic DEP: re-form the group (next epoch) and re-split the experts over its members
+        (pdmesh_engine.parallel.elastic). Collective over the new members."""
+        dep = self.dep
+        if dep is None or dep.elastic is None or self.lockstep is None:
+            raise ValueError("reform needs an elastic DEP rank")
+        dep.elastic.reform(self.expert_models, dep.config.num_redundant_experts, failed)
+        self.lockstep.rebind(dep.dp_sync, dep.elastic.size)
 
     @property
     def draft_stager(self) -> PlacementStager | None:

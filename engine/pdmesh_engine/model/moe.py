@@ -212,6 +212,16 @@ class ExpertLoadRecorder:
         self._current.zero_()
         self.restart_step = self.step
 
+    def resize(self, num_physical: int) -> None:
+        """Count `num_physical` slots per layer from now on (an elastic DEP instance re-split its
+        slots); restarts the ring."""
+        num_layers, device = self._current.shape[0], self._current.device
+        self.counts = torch.zeros(
+            self.window, num_layers, num_physical, dtype=torch.int64, device=device
+        )
+        self._current = torch.zeros(num_layers, num_physical, dtype=torch.int64, device=device)
+        self.restart()
+
     @property
     def steps_since_restart(self) -> int:
         return self.step - self.restart_step

@@ -4,6 +4,9 @@ processes.
 `allreduce`: the per-step DP sync (`DPSync`, `make_dp_sync`) and a recursive-doubling all-reduce on
 torch.distributed point-to-point, whose pure schedule (`recursive_doubling_schedule`) is testable
 alone.
+
+`elastic` (with `membership`): a DEP group that survives a lost rank (re-formed over the survivors,
+experts re-split) and grows back when it returns.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 from pdmesh_engine.parallel.allreduce import (
     DP_SYNC_IMPLS,
     OPS,
+    AllToAllReduce,
     DPSync,
     GlooAllReduce,
     RecursiveDoublingAllReduce,
@@ -24,6 +28,7 @@ from pdmesh_engine.parallel.allreduce import (
 __all__ = [
     "DP_SYNC_IMPLS",
     "OPS",
+    "AllToAllReduce",
     "DPSync",
     "GlooAllReduce",
     "RecursiveDoublingAllReduce",

@@ -25,7 +25,8 @@ Contracts of `recursive_doubling_all_reduce(tensor, group, op)`:
     and the unfold copies), floats included;
   - returns the rounds of the schedule it went through (= `num_rounds(world)` on every rank).
 
-`DPSync` is what the engine calls every step: `make_dp_sync("gloo" | "recursive_doubling", group)`.
+`DPSync` is what the engine calls every step: `make_dp_sync("gloo" | "recursive_doubling" |
+"all_to_all", group)`; "all_to_all" (every rank to every rank) is the one an elastic DEP group uses.
 """
 
 from __future__ import annotations
@@ -222,9 +223,36 @@ class RecursiveDoublingAllReduce(DPSync):
             tensor.copy_(work)
 
 
+class AllToAllReduce(DPSync):
+    """Every rank sends its tensor to every other one (`all_to_all_single`) and reduces the p
+    copies. p - 1 messages per rank instead of log2(p), but every rank talks to every rank in
+    every sync: a dead peer fails the sync on every survivor at once (its connection is reset),
+    which an elastic DEP group needs (a ring or recursive doubling would leave the ranks not paired
+    with it waiting on the ones that failed, until the group's timeout)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, op: str = "sum") -> None:
+        super().__init__(group, op)
+        self.world = dist.get_world_size(group)
+        self._combine = _combiner(op)
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        if self.world == 1:
+            return
+        flat = tensor.reshape(-1)
+        send = flat.repeat(self.world)  # [p * k]: the same row to every rank
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        rows = recv.view(self.world, -1)
+        result = rows[0].clone()
+        for row in rows[1:]:  # rank order on every rank: the same bits everywhere
+            self._combine(result, row)
+        tensor.copy_(result.view_as(tensor))
+
+
 DP_SYNC_IMPLS: dict[str, type[DPSync]] = {
     "gloo": GlooAllReduce,
     "recursive_doubling": RecursiveDoublingAllReduce,
+    "all_to_all": AllToAllReduce,
 }
 
 

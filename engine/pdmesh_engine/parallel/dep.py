@@ -6,8 +6,8 @@ inside every MoE layer (the `AllToAllDispatcher`), so they must run the same num
 passes:
 
     EngineCore.step() on every rank, in lockstep:
-      schedule locally -> DP sync: all_reduce([has_work, num_tokens, num_unfinished, stop]) int64
-      [4]
+      schedule locally -> DP sync: all_reduce([has_work, num_tokens, num_unfinished, stop, join])
+      int64 [5] (+ the placement switch's triples, below)
         -> no rank has work:        return {} without a forward (the caller idles)
         -> this rank has no work:   DUMMY forward (1 token into the reserved scratch block)
         -> else:                    the real batch
@@ -32,6 +32,10 @@ Versions stay far below 2**28. A speculating rank's draft model has placements o
 [is_staged, V, V*V] follow the target's in the same all-reduce and the same rule decides its switch
 (`LockstepRecord.draft_switched_to`).
 
+Elastic (`DEPContext.elastic`, pdmesh_engine.parallel.elastic): a failed collective re-forms the
+group over the survivors and the step is run again (`LockstepStepper.recover`); `join` says a
+restarted rank waits to join (`LockstepRecord.regroup`: every rank re-forms after this step).
+
 The rendezvous (a TCPStore on rank 0) listens on `master_addr` only. Gloo's pair sockets use the
 network interface `DEPConfig.gloo_interface` (by default: the loopback interface for a loopback
 master), given to gloo as a device of the process group's options (`gloo_backend`), not through the
@@ -48,7 +52,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
@@ -140,6 +144,22 @@ def slots_of_rank(num_experts: int, num_redundant: int, size: int, rank: int) ->
     return range(rank * per_rank, (rank + 1) * per_rank)
 
 
+class ElasticMembership(Protocol):
+    """What a rank of an elastic group offers (`pdmesh_engine.parallel.elastic.ElasticGroup`)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    def join_pending(self) -> bool: ...
+
+    def abort(self) -> None: ...
+
+    def reform(self, expert_models: dict[str, Any], num_redundant: int, failed: bool) -> None: ...
+
+
 @dataclass
 class DEPContext:
     """What a DEP rank holds after `init_dep`: its config, the process groups and the DP sync."""
@@ -149,9 +169,16 @@ class DEPContext:
     dispatch_group: dist.ProcessGroup | None
     dp_sync: DPSync  # the per-step all-reduce, on the world group
     dispatcher: ExpertDispatcher = field(init=False)
+    # set when the group is elastic (survives a lost rank): pdmesh_engine.parallel.elastic
+    elastic: ElasticMembership | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.dispatcher = make_dispatcher(self.config.dispatcher, self.dispatch_group)
+
+    def backend_name(self) -> str:
+        """The torch.distributed backend of this rank's groups (gloo on its interface, see
+        `gloo_backend`)."""
+        return _backend_name(self.config)
 
     @property
     def dispatch_stats(self) -> DispatchStats | None:
@@ -187,8 +214,7 @@ class DEPContext:
 
 def init_dep(config: DEPConfig) -> DEPContext:
     """Join the DEP process group (all ranks call it), create the dispatch group and the DP sync."""
-    interface = config.resolved_gloo_interface() if config.backend == "gloo" else None
-    backend = gloo_backend(interface) if interface else config.backend
+    backend = _backend_name(config)
     if not dist.is_initialized():
         timeout = timedelta(seconds=config.timeout_s)
         dist.init_process_group(
@@ -205,6 +231,11 @@ def init_dep(config: DEPConfig) -> DEPContext:
         )
     dispatch_group = dist.new_group(backend=backend)
     return DEPContext(config, dispatch_group, make_dp_sync(config.dp_sync))
+
+
+def _backend_name(config: DEPConfig) -> str:
+    interface = config.resolved_gloo_interface() if config.backend == "gloo" else None
+    return gloo_backend(interface) if interface else config.backend
 
 
 def gloo_backend(interface: str) -> str:
@@ -310,6 +341,8 @@ class LockstepRecord:
     stop: bool = False
     switched_to: int = 0  # the placement version every rank switched to before this step's forward
     draft_switched_to: int = 0  # the same for the draft model's placement
+    # elastic: a rank asked to join; every member re-forms the group after this step
+    regroup: bool = False
 
 
 @dataclass
@@ -369,6 +402,15 @@ class LockstepStepper:
         self.counters = LockstepCounters()
         self.last: LockstepRecord | None = None
         self.stop_requested = False
+        # elastic DEP (pdmesh_engine.parallel.elastic): whether a rank waits to join (polled
+        # before each sync), and the re-form after a failed collective (None: a failure raises)
+        self.join_pending: Callable[[], bool] = lambda: False
+        self.recover: Callable[[], None] | None = None
+        self.max_recoveries = 3
+
+    def rebind(self, dp_sync: DPSync, size: int) -> None:
+        """Use the re-formed group's DP sync and size from the next step (elastic DEP)."""
+        self.dp_sync, self.size = dp_sync, size
 
     def request_stop(self) -> None:
         """This rank wants to stop: the next step's record says `stop` on every rank."""
@@ -378,7 +420,22 @@ class LockstepStepper:
         self, output: SchedulerOutput, requests: dict[str, Request], num_unfinished: int
     ) -> Mapping[str, SampledToken | SpecTokens]:
         """Every rank calls this once per step, whatever it scheduled (collective). A speculating
-        runner's real step is `ModelRunner.execute_spec` (`SpecTokens` per request)."""
+        runner's real step is `ModelRunner.execute_spec` (`SpecTokens` per request).
+
+        With `recover` set, a failed collective (RuntimeError: a rank died, a timeout) re-forms
+        the group (`recover()`) and the same step is run again, at most `max_recoveries` times."""
+        for attempt in range(self.max_recoveries + 1):
+            try:
+                return self._execute(output, requests, num_unfinished)
+            except RuntimeError:
+                if self.recover is None or attempt == self.max_recoveries:
+                    raise
+                self.recover()
+        raise AssertionError("unreachable")
+
+    def _execute(
+        self, output: SchedulerOutput, requests: dict[str, Request], num_unfinished: int
+    ) -> Mapping[str, SampledToken | SpecTokens]:
         start = time.perf_counter()
         switches = (self.placement, self.draft_placement)
         readies = [switch.ready_version() if switch is not None else 0 for switch in switches]
@@ -388,18 +445,19 @@ class LockstepStepper:
                 output.num_tokens,
                 num_unfinished,
                 int(self.stop_requested),
+                int(self.join_pending()),
                 *(x for ready in readies for x in (int(ready > 0), ready, ready * ready)),
             ],
             dtype=torch.int64,
         )
         self.dp_sync.all_reduce(local)
         sums = local.tolist()
-        ranks_with_work, num_tokens, unfinished, stops = sums[:4]
+        ranks_with_work, num_tokens, unfinished, stops, joins = sums[:5]
         counters = self.counters
         counters.sync_s += time.perf_counter() - start
         counters.steps += 1
         switched = [
-            agreed_version(*sums[4 + 3 * i : 7 + 3 * i], self.size) for i in range(len(switches))
+            agreed_version(*sums[5 + 3 * i : 8 + 3 * i], self.size) for i in range(len(switches))
         ]
         for switch, version in zip(switches, switched, strict=True):
             if version and switch is not None:
@@ -416,6 +474,7 @@ class LockstepStepper:
             stops > 0,
             switched_to,
             draft_switched_to,
+            joins > 0,
         )
         if not ran:
             counters.idle += 1

@@ -134,10 +134,15 @@ class AllToAllDispatcher(ExpertDispatcher):
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.stats = DispatchStats()
+        self.rebind(group)
+
+    def rebind(self, group: dist.ProcessGroup | None) -> None:
+        """Run on `group` from the next call (an elastic DEP instance re-formed its group; the MoE
+        layers keep this object, their `w13`/`w2` are re-split to the new size separately)."""
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.stats = DispatchStats()
 
     def __call__(
         self,

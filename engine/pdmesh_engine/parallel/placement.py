@@ -295,6 +295,15 @@ class PlacementStager:
             job.thread.join(timeout_s)
         return not (job is not None and job.thread.is_alive())
 
+    def reset(self) -> None:
+        """Drop what is staged or staging (its buffers fit slots that are about to change: an
+        elastic DEP instance re-splits them); the running version stays. Engine thread."""
+        with self._lock:
+            job, self._job, self._ready = self._job, None, None
+        if job is not None:
+            job.cancelled.set()
+            job.thread.join()
+
     def switch_to(self, version: int) -> None:
         """Adopt the ready `version`: copy its buffers into w13/w2, set every target layer's
         placement, free the buffers, restart the expert-load ring. Engine thread, between two

@@ -23,7 +23,7 @@ alone (uniform token ids); 0.482 without rebalancing, 0.825 with each step's own
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -172,6 +172,15 @@ def _check_shapes(reports: Sequence[LoadReport], placement: Placement | None) ->
     return ""
 
 
+def _live_group(reports: Sequence[LoadReport]) -> list[LoadReport]:
+    """The reports of the instance's group as it is now: those of the newest report's size (an
+    elastic instance re-formed; a lost rank's last report lingers until it expires)."""
+    if not reports:
+        return []
+    newest = max(reports, key=lambda r: r.created_ms)
+    return [r for r in reports if r.dp_size == newest.dp_size]
+
+
 def logical_loads(slot_counts: np.ndarray, p2l: np.ndarray, num_logical: int) -> np.ndarray:
     """[L, E] tokens per logical expert from slot counts [L, P] under placement p2l [L, P]."""
     rows = np.broadcast_to(np.arange(len(p2l))[:, None], p2l.shape)
@@ -188,19 +197,27 @@ def window_of(view: ModelView) -> Window | Skip:
     placement). A rank reporting a version newer than the published one means Redis lost it: never
     plan over that.
     """
-    if not view.reports:
+    reports = _live_group(view.reports)
+    if not reports:
         return Skip("no load reports")
-    problem = _check_shapes(view.reports, view.placement)
+    first = reports[0]
+    published = view.placement
+    reformed = published is not None and (published.num_ranks, published.num_slots) != (
+        first.dp_size,
+        first.num_slots,
+    )
+    problem = _check_shapes(reports, None if reformed else published)
     if problem:
         return Skip(problem)
-    first = view.reports[0]
-    newest = max(r.running_version for r in view.reports)
+    newest = max(r.running_version for r in reports)
     if newest > view.version:
         return Skip(f"a rank runs version {newest}, newer than the published {view.version}")
-    current = [r for r in view.reports if r.running_version == view.version]
+    # an elastic instance re-formed over other ranks: its ranks run a layout of their own under
+    # the version they had; plan afresh over the live ranks (counts read as the identity layout)
+    current = [r for r in reports if r.running_version == view.version or reformed]
     if not current:
         return Skip(f"waiting for the ranks to switch to version {view.version}")
-    placement = view.placement or identity_placement(
+    identity = identity_placement(
         view.instance,
         view.model,
         first.dp_size,
@@ -208,6 +225,7 @@ def window_of(view: ModelView) -> Window | Skip:
         first.num_slots,
         first.num_logical,
     )
+    placement = replace(identity, version=view.version) if reformed else published or identity
     p2l = np.asarray(placement.physical_to_logical, dtype=np.int64)
     counts = np.sum([np.asarray(r.slot_counts, dtype=np.float64) for r in current], axis=0)
     return Window(

@@ -22,6 +22,7 @@ from pdmesh.cli.main import main
 from pdmesh_bench.allreduce import run_ranks
 from pdmesh_engine.parallel import (
     DP_SYNC_IMPLS,
+    AllToAllReduce,
     GlooAllReduce,
     RecursiveDoublingAllReduce,
     make_dp_sync,
@@ -130,6 +131,7 @@ def test_bad_op_and_unknown_sync_are_rejected_before_any_communication() -> None
     assert DP_SYNC_IMPLS == {
         "gloo": GlooAllReduce,
         "recursive_doubling": RecursiveDoublingAllReduce,
+        "all_to_all": AllToAllReduce,
     }
 
 
@@ -150,7 +152,7 @@ def _member_checks(group: dist.ProcessGroup | None) -> dict[str, Any]:
     strided = torch.arange(6, dtype=torch.int64).reshape(2, 3).t() + g
     recursive_doubling_all_reduce(strided, group)
     out["strided"] = strided.tolist()
-    for name in ("gloo", "recursive_doubling"):
+    for name in ("gloo", "recursive_doubling", "all_to_all"):
         sync = make_dp_sync(name, group)
         results = []
         for call in range(CALLS):
@@ -224,13 +226,14 @@ def test_float_sums_are_bitwise_identical_on_every_rank(
 
 
 @pytest.mark.parametrize("p", range(1, MAX_WORLD + 1))
-def test_both_dp_syncs_agree_over_back_to_back_calls(
+def test_every_dp_sync_agrees_over_back_to_back_calls(
     reports: dict[int, list[dict[str, Any]]], p: int
 ) -> None:
     expected = [[1, c * p * (p - 1) // 2, c * p] for c in range(CALLS)]
     for r in reports[p]:
         assert r["recursive_doubling"] == expected
         assert r["gloo"] == expected
+        assert r["all_to_all"] == expected
 
 
 # ----------------------------------------------------------------------------- bench smoke

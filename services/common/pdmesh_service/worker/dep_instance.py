@@ -15,16 +15,24 @@ collectives break: each logs one line, leaves the registry and exits 1): the sup
 SETTLE_S for that, SIGTERMs what is left, SIGKILLs it after STOP_GRACE_S, and exits 1, so that
 whoever started it (`pdmesh up`'s launcher) restarts the instance as a whole, on the same ports.
 Ranks get SIGKILL when the supervisor dies (PR_SET_PDEATHSIG), so no rank outlives it.
+
+Elastic (`--dep-elastic`, pdmesh_engine.parallel.elastic): a rank that exits does not stop the
+instance. The survivors re-form their group without it (records under a per-run key in the
+deployment's Redis, `worker.elastic_store`) and keep serving; the supervisor restarts that rank
+alone, after `REJOIN_DELAY_S`, with `--dep-rejoin`: it builds its engine, asks to join, and the
+group grows back at a step boundary. The instance stops (exit 1) only when every rank exited.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -39,6 +47,7 @@ log = get_logger(__name__)
 STOP_GRACE_S = 8.0  # below the launcher's 10 s, so the supervisor kills what is left itself
 SETTLE_S = 2.0  # after a rank died: how long the others get to leave on their own (group broke)
 WATCH_INTERVAL_S = 0.5
+REJOIN_DELAY_S = 1.0  # an elastic instance's exited rank is restarted (to rejoin) after this
 WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 
 
@@ -55,6 +64,9 @@ class DEPOptions:
     # a rank's EPLB agent reports loads this often; 0: no EPLB on the ranks
     eplb_report_s: float = 1.0
     dist_host: str = ""  # rank 0's address when ranks run on different hosts (one rank per pod)
+    elastic: bool = False  # survivors of a lost rank re-form the group and keep serving
+    rejoin: bool = False  # a restarted rank of an elastic instance: join the running group
+    run_id: str = ""  # names this run's group records (set by the supervisor)
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -76,6 +88,8 @@ class DEPOptions:
             raise ValueError(
                 "--dist-host is for rank processes started one per host: it needs --dep-rank"
             )
+        if self.rejoin and not (self.elastic and self.rank is not None):
+            raise ValueError("--dep-rejoin is for a rank (--dep-rank) of a --dep-elastic instance")
         if not self.eplb_report_s >= 0:
             raise ValueError(f"--eplb-report-s must be >= 0 (0: off), got {self.eplb_report_s}")
 
@@ -131,6 +145,14 @@ def add_dep_arguments(parser: argparse.ArgumentParser) -> None:
         "pods);"
         " each rank then keeps --port and --metrics-port as given",
     )
+    g.add_argument(
+        "--dep-elastic",
+        action="store_true",
+        help="when a rank dies the others re-form the group without it and keep serving; the "
+        "rank is restarted alone and joins again (its DP sync is then an all-to-all)",
+    )
+    g.add_argument("--dep-rejoin", action="store_true", help=argparse.SUPPRESS)
+    g.add_argument("--dep-run-id", default="", help=argparse.SUPPRESS)
 
 
 def dep_from_args(args: argparse.Namespace) -> DEPOptions:
@@ -142,6 +164,9 @@ def dep_from_args(args: argparse.Namespace) -> DEPOptions:
         args.num_redundant_experts,
         args.eplb_report_s,
         args.dist_host,
+        args.dep_elastic,
+        args.dep_rejoin,
+        args.dep_run_id,
     )
 
 
@@ -184,10 +209,17 @@ def check_expert_split(model_dir: Path, dep: DEPOptions) -> None:
 
 
 def rank_argv(
-    role: str, options: list[str], rank: int, base_port: int, dist_port: int
+    role: str,
+    options: list[str],
+    rank: int,
+    base_port: int,
+    dist_port: int,
+    run_id: str = "",
+    rejoin: bool = False,
 ) -> list[str]:
     """The command line of one rank: the supervisor's options, then what pins this rank (the last
-    wins)."""
+    wins); an elastic instance's run id, and `--dep-rejoin` for a restarted rank."""
+    elastic = [*(["--dep-run-id", run_id] if run_id else []), *(["--dep-rejoin"] if rejoin else [])]
     return [
         sys.executable,
         "-m",
@@ -199,6 +231,7 @@ def rank_argv(
         str(dist_port),
         "--dep-rank",
         str(rank),
+        *elastic,
     ]
 
 
@@ -220,15 +253,17 @@ def run_instance(
         signal.signal(sig, lambda *_: stopping.set())
     ranks: list[subprocess.Popen[bytes]] = []
     failed: list[int] = []
+    run_id = f"{os.getpid()}-{time.time_ns()}" if dep.elastic else ""
+
+    def start(rank: int, rejoin: bool = False) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            rank_argv(role, options, rank, base, dist_port, run_id, rejoin),
+            stdin=subprocess.DEVNULL,
+            preexec_fn=die_with_parent(signal.SIGKILL),
+        )
+
     try:
-        for rank in range(dep.size):
-            ranks.append(
-                subprocess.Popen(
-                    rank_argv(role, options, rank, base, dist_port),
-                    stdin=subprocess.DEVNULL,
-                    preexec_fn=die_with_parent(signal.SIGKILL),
-                )
-            )
+        ranks.extend(start(rank) for rank in range(dep.size))
         addresses = [common.address(base + rank) for rank in range(dep.size)]
         log.info(
             "DEP instance started",
@@ -236,7 +271,7 @@ def run_instance(
             dist_port=dist_port,
             pids=[p.pid for p in ranks],
         )
-        failed = _watch(ranks, stopping)
+        failed = _watch_elastic(ranks, stopping, start) if dep.elastic else _watch(ranks, stopping)
         if failed:
             log.error(
                 "a rank exited; stopping the DEP instance",
@@ -258,6 +293,33 @@ def _watch(ranks: list[subprocess.Popen[bytes]], stopping: threading.Event) -> l
         exited = [rank for rank, process in enumerate(ranks) if process.poll() is not None]
         if exited:
             return exited
+    return []
+
+
+def _watch_elastic(
+    ranks: list[subprocess.Popen[bytes]],
+    stopping: threading.Event,
+    start: Callable[[int, bool], subprocess.Popen[bytes]],
+) -> list[int]:
+    """`_watch` of an elastic instance: a rank that exits is restarted alone (it rejoins the
+    group) after `REJOIN_DELAY_S`; every rank exited (the group is gone): their indexes."""
+    restart_at: dict[int, float] = {}
+    while not stopping.wait(WATCH_INTERVAL_S):
+        now = time.monotonic()
+        for rank, process in enumerate(ranks):
+            if process.poll() is None or rank in restart_at:
+                continue
+            if all(p.poll() is not None for p in ranks):
+                return list(range(len(ranks)))
+            log.warning(
+                "a rank exited; the others go on, it rejoins", rank=rank, code=process.returncode
+            )
+            restart_at[rank] = now + REJOIN_DELAY_S
+        for rank, at in list(restart_at.items()):
+            if now >= at:
+                del restart_at[rank]
+                ranks[rank] = start(rank, True)
+                log.info("rank restarted to rejoin", rank=rank, pid=ranks[rank].pid)
     return []
 
 

@@ -403,11 +403,16 @@ class EngineLoop:
             self.metrics.snapshot(),
             check_integrity,
             error,
-            self.rank,
-            self.dp_size,
+            *self.group_rank(),
             core.expert_weight_bytes,
             core.spec_decode,
         )
+
+    def group_rank(self) -> tuple[int, int]:
+        """(rank, ranks) in the DEP group now: an elastic group's change when it re-forms."""
+        dep = getattr(self.engine, "dep", None)
+        elastic = dep.elastic if dep is not None else None
+        return (elastic.rank, elastic.size) if elastic is not None else (self.rank, self.dp_size)
 
     def _fail_all(self, error: BaseException) -> None:
         """End every request with `error`; blocks NIXL still reads or writes stay until the role

@@ -15,7 +15,9 @@ speculative draft model with MoE layers):
                                               pdmesh_engine.parallel.dep)
 
 `instance` is the DEP instance's id without the `-r<rank>` suffix, so all its ranks report under one
-key. Redis errors are logged and retried at the next tick: decode goes on while Redis or the
+key. An elastic instance's ranks report their rank and size in the group as it is now (it
+re-forms without a lost rank and grows back), so the controller plans over the live ranks.
+Redis errors are logged and retried at the next tick: decode goes on while Redis or the
 controller is down. The target's decoder MoE layers ("target") and the draft model's ("draft") are
 reported and staged as two models; the MTP layers keep their placement. The placement versions are
 reported through the LoadReport only (the heartbeat's `Load` has no field for them).
@@ -75,6 +77,7 @@ class RankSnapshot:
     slot_counts: list[list[int]]  # [L][P]
     num_logical: int
     expert_bytes: int
+    group: tuple[int, int] | None = None  # (rank, ranks) of an elastic group now; None: static
 
 
 @dataclass(frozen=True)
@@ -110,15 +113,26 @@ def snapshot(engine: EngineCore, model: str = TARGET) -> RankSnapshot:
         counts,
         expert_model.num_logical,
         expert_model.bytes_per_expert,
+        _elastic_group(engine),
     )
+
+
+def _elastic_group(engine: EngineCore) -> tuple[int, int] | None:
+    dep = getattr(engine, "dep", None)
+    elastic = dep.elastic if dep is not None else None
+    return (elastic.rank, elastic.size) if elastic is not None else None
+
+
+def group_of(config: EPLBAgentConfig, shot: RankSnapshot) -> tuple[int, int]:
+    """(rank, dp_size) this rank reports under: an elastic group's current ones."""
+    return shot.group if shot.group is not None else (config.rank, config.dp_size)
 
 
 def load_report(config: EPLBAgentConfig, shot: RankSnapshot, model: str = TARGET) -> LoadReport:
     return LoadReport(
         config.instance,
         model,
-        config.rank,
-        config.dp_size,
+        *group_of(config, shot),
         shot.step,
         shot.window_steps,
         shot.running_version,
@@ -163,7 +177,7 @@ async def tick_model(
         return TickResult(False, 0, False)
     await publish_load(redis, config.deployment, load_report(config, shot, model))
     placement = await read_placement(redis, config.deployment, config.instance, model)
-    if placement is None or not wanted(placement, shot, config.dp_size):
+    if placement is None or not wanted(placement, shot, group_of(config, shot)[1]):
         return TickResult(True, placement.version if placement is not None else 0, False)
     staged: bool = await loop.submit(
         engine.stage_placement, placement.version, placement.physical_to_logical, model

@@ -15,7 +15,9 @@ A DEP rank (`DEPOptions.is_rank`; its `common` comes from `dep_instance.rank_com
 its instance's group, builds the engine with its share of the experts, registers as `<id>-r<rank>`
 with rank and dp_size, runs its EPLB agent (`worker.eplb_agent`, every --eplb-report-s; 0: none),
 and also ends (raising `ServiceStopped`) when its engine loop ends on its own: another rank stopped
-or the group broke.
+or the group broke. An elastic instance's rank (`--dep-elastic`) outlives a lost peer: its group
+re-forms (records in Redis, `worker.elastic_store`); a restarted one (`--dep-rejoin`) builds its
+engine, then is admitted into the running group just before its engine thread starts.
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ from pdmesh_engine.config import EngineConfig
 from pdmesh_engine.engine_core import EngineCore
 from pdmesh_engine.model.configs import check_mesh_model
 from pdmesh_engine.parallel.dep import DEPConfig, DEPContext, init_dep, shutdown_dep
+from pdmesh_engine.parallel.elastic import (
+    ELASTIC_DP_SYNC,
+    ElasticConfig,
+    ElasticGroup,
+    join_elastic,
+)
 from pdmesh_engine.transfer.agent import KVTransferAgent
 from pdmesh_engine.transfer.layout import KV_FORMAT_VERSION
 from pdmesh_service.errors import MeshError
@@ -51,6 +59,7 @@ from pdmesh_service.revision import Revision, checkpoint_identity, revision_part
 from pdmesh_service.tasks import pause, stop_with
 from pdmesh_service.worker.convert import heartbeat_stats
 from pdmesh_service.worker.dep_instance import DEPOptions, master_addr
+from pdmesh_service.worker.elastic_store import membership_store
 from pdmesh_service.worker.engine_loop import EngineLoop, EngineRole
 from pdmesh_service.worker.eplb_agent import EPLBAgentConfig, base_instance, run_eplb_agent
 from pdmesh_service.worker.kv_events import start_kv_event_publisher
@@ -162,7 +171,11 @@ async def run_worker(
     # the default id needs it
     port = common.port or (0 if common.instance_id else free_port(common.host))
     instance_id = common.instance(spec.role, port)
-    context = await asyncio.to_thread(_join_dep, common, dep) if dep is not None else None
+    context, finish_join = (
+        await asyncio.to_thread(_join_dep, common, dep, instance_id)
+        if dep is not None
+        else (None, None)
+    )
     engine = await asyncio.to_thread(EngineCore, model_dir, engine_config, context)
     # Decode needs NIXL's progress thread to receive writes promptly; prefill drives progress itself
     # (poll/wait on its own transfers), which measured faster than with the thread.
@@ -186,6 +199,8 @@ async def run_worker(
         )
         revision = await asyncio.to_thread(engine_revision, engine, model_dir, agent)
         worker = spec.make_worker(WorkerParts(instance_id, loop, agent, kvstore, revision))
+        if finish_join is not None:  # a restarted elastic rank: the group admits it now
+            await asyncio.to_thread(finish_join, engine)
         loop.start(worker.role)
         stack.push_async_callback(loop.stop)
         stack.push_async_callback(worker.role.close)  # before the loop stops, after the server did
@@ -263,21 +278,37 @@ def engine_revision(engine: EngineCore, model_dir: Path, agent: KVTransferAgent)
     )
 
 
-def _join_dep(common: CommonConfig, dep: DEPOptions) -> DEPContext:
-    """Join the instance's group (blocks until every rank joined)."""
+def _join_dep(
+    common: CommonConfig, dep: DEPOptions, instance_id: str
+) -> tuple[DEPContext, Callable[[EngineCore], None] | None]:
+    """Join the instance's group (blocks until every rank joined). Elastic: the group survives a
+    lost rank; a restarted one (`--dep-rejoin`) gets a one-rank context to build its engine with
+    and the call that joins the running group once the engine is built."""
     if dep.rank is None:  # run_worker joins only as a rank (`dep.is_rank`)
         raise ValueError("joining a DEP group needs the rank (--dep-rank)")
     master = master_addr(common.host, dep.dist_host)
-    return init_dep(
-        DEPConfig(
-            dep.rank,
-            dep.size,
-            master,
-            dep.dist_port,
-            dp_sync=dep.dp_sync,
-            num_redundant_experts=dep.num_redundant_experts,
-        )
+    config = DEPConfig(
+        dep.rank,
+        dep.size,
+        master,
+        dep.dist_port,
+        dp_sync=ELASTIC_DP_SYNC if dep.elastic else dep.dp_sync,
+        num_redundant_experts=dep.num_redundant_experts,
     )
+    if not dep.elastic:
+        return init_dep(config), None
+    store = membership_store(
+        common.redis_url,
+        common.deployment,
+        base_instance(instance_id, dep.rank, dep.size),
+        dep.run_id or str(dep.dist_port),
+    )
+    elastic = ElasticConfig(dep.rank, dep.size, store, addr=master)
+    if dep.rejoin:
+        return join_elastic(config, elastic)
+    context = init_dep(config)
+    context.elastic = ElasticGroup(elastic, context)
+    return context, None
 
 
 def _start_eplb_agent(
@@ -348,5 +379,6 @@ class _LoadReport:
             if self.kv:
                 self.probes.kv = (status.kv_blocks_free, status.kv_blocks_total)
         self.loop.metrics.observe_load(status.load)
-        self.info = replace(self.info, stats=heartbeat_stats(status))
+        # dp_size: an elastic instance's group may have re-formed with fewer (or again all) ranks
+        self.info = replace(self.info, stats=heartbeat_stats(status), dp_size=status.dp_size)
         return self.info
