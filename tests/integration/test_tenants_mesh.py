@@ -1,5 +1,6 @@
-"""Tenants on a real mesh (agg: one decode rank, real processes on loopback): a keys file with two
-tenants, the concurrency cap held (the gateway's own accounting, and no two of the capped tenant's
+"""Tenants on a real mesh (agg: one decode rank, real processes on loopback): a keys file with three
+tenants, the token-rate cap held over a window (prompt + output tokens served), the concurrency cap
+held (the gateway's own accounting, and no two of the capped tenant's
 streams overlapping more than the cap), an over-cap burst answered 429 with Retry-After and the
 OpenAI error body, the priority header accepted and clamped to the tenant's maximum."""
 
@@ -14,10 +15,13 @@ import pytest
 from meshlib import http_url, start_mesh
 
 KEY_A, KEY_B = "sk-tenant-a-0123456789", "sk-tenant-b-0123456789"
+KEY_C = "sk-tenant-c-0123456789"
+RATE = 120  # gamma's max_tokens_per_s
 KEYS = {
     "keys": {
         KEY_A: {"tenant": "alpha", "max_priority": "default", "max_concurrency": 2},
         KEY_B: {"tenant": "beta", "max_concurrency": 1, "max_queued": 1},
+        KEY_C: {"tenant": "gamma", "max_tokens_per_s": RATE},
     }
 }
 
@@ -128,3 +132,30 @@ def test_the_priority_header_is_accepted_and_clamped(tenant_mesh) -> None:
     classes = {(r["tenant"], r["class"]) for r in rows}
     assert ("alpha", "system") not in classes and ("alpha", "default") in classes  # clamped
     assert {("beta", "batch"), ("beta", "interactive")} <= classes
+
+
+def test_the_token_rate_cap_holds_over_a_window(tenant_mesh) -> None:
+    """8 closed loops of gamma for WINDOW_S: the tokens served (prompt + output of requests that
+    ended in the window) stay within the bucket's bound, rate x (T + 1) plus what the requests
+    running when it went into debt were charged past 0 (at most one request per loop)."""
+    window_s, loops = 8.0, 8
+    served: list[int] = []
+
+    async def loop(client: httpx.AsyncClient, until: float) -> None:
+        while time.monotonic() < until:
+            response = await client.post("/v1/completions", json=BODY, headers=_headers(KEY_C))
+            assert response.status_code == 200, response.text
+            if time.monotonic() <= until:
+                served.append(response.json()["usage"]["total_tokens"])
+
+    async def main() -> float:
+        async with httpx.AsyncClient(base_url=http_url(tenant_mesh), timeout=120) as client:
+            start = time.monotonic()
+            await asyncio.gather(*(loop(client, start + window_s) for _ in range(loops)))
+            return start
+
+    asyncio.run(main())
+    assert served, "no request of the rate-limited tenant ended in the window"
+    bound = RATE * (window_s + 1) + loops * max(served)
+    assert sum(served) <= bound, (sum(served), bound)
+    print(f"\ngamma: {sum(served)} tokens in {window_s:g} s (cap {RATE}/s, bound {bound})")
