@@ -341,7 +341,7 @@ class Starter:
         if self.routing.prefill is PrefillRouting.CACHE_AWARE:
             choice = _PrefillChoice(self, len(request.prompt_ids), cached)
         # the hand-off pairs ranks of one revision: the least loaded decode rank's
-        revision = self.router.decode_revision(self._skipped(excluded, request.dp_rank))
+        revision = self.router.decode_revision(self._skipped(excluded))
         rank = await self._admit(request, deadline, excluded, choice, bounded, revision)
         if rank is None:
             return None
