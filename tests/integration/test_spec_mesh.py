@@ -294,8 +294,10 @@ class TestDisaggMTP:
 
     def test_a_decode_rank_without_speculation_is_refused_end_to_end(self, mesh):
         """Last of the class (it kills decode-0): a decode rank started without the speculation
-        flags joins the mesh; the request it gets fails fast with the reason (409, no retry loop),
-        and its reservation is released."""
+        flags joins the mesh. Its revision differs from the speculating prefill rank's, so the
+        gateway never pairs them: the request is served by the decode rank alone (no cross-revision
+        hand-off is even tried), and nothing leaks. (A prefill rank handed such a target anyway
+        refuses it with the reason: tests/services/test_revision.py.)"""
         from pdmesh.launcher import ServiceSpec
 
         [decode] = [s for s in mesh.specs if s.name == "decode-0"]
@@ -316,9 +318,8 @@ class TestDisaggMTP:
             json={"model": mesh.options.model_dir.name, "prompt": PROMPTS[1], "max_tokens": 4},
             timeout=120,
         )
-        assert reply.status_code == 409, reply.text
-        message = reply.json()["error"]["message"]
-        assert "no speculative decoding" in message and "--speculative-method" in message
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["prompt_tokens_details"]["prefill_path"] == "agg"
         _assert_no_leaks(mesh)
 
 

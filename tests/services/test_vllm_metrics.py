@@ -154,8 +154,9 @@ def test_vllm_series_on_every_worker_and_the_gateway(mesh: Mesh) -> None:
             and value(success, "vllm:request_success_total") == len(answers)
             and queries >= prompt_tokens
             and all(
-                value(w["vllm:num_requests_running"], "vllm:num_requests_running") == 0
+                value(w[gauge], gauge) == 0
                 for w in workers.values()
+                for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting")
             )
         )
         if settled or time.monotonic() > deadline:
