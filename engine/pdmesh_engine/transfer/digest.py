@@ -35,13 +35,15 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-import torch
 import xxhash
 
 from pdmesh_engine.transfer.layout import Region
+
+if TYPE_CHECKING:  # the modes and the fault plan serve torch-free CLIs (`pdmesh serve kvstore`)
+    import torch
 
 DigestMode = Literal["off", "sampled", "all"]
 DIGEST_MODES: tuple[DigestMode, ...] = ("off", "sampled", "all")
@@ -103,7 +105,7 @@ class RegionReader:
         # (start address, end address, the tensor's bytes flat, numpy view of them on CPU)
         self._spans: list[tuple[int, int, torch.Tensor, np.ndarray | None]] = []
         for t in tensors:
-            flat = t.view(torch.uint8).reshape(-1)
+            flat = t.view(_uint8()).reshape(-1)
             host = flat.numpy() if flat.device.type == "cpu" else None
             self._spans.append((t.data_ptr(), t.data_ptr() + flat.numel(), flat, host))
 
@@ -187,3 +189,10 @@ def corrupt_plan(
             address + offset,
         )
     raise AssertionError("unreachable: position was checked against the total")
+
+
+def _uint8() -> torch.dtype:
+    """torch.uint8, imported where tensors are read (the module itself imports no torch)."""
+    import torch
+
+    return torch.uint8
