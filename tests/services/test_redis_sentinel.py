@@ -26,6 +26,8 @@ from redis_sentinel import MASTER_NAME, SentinelDeployment
 from pdmesh_service.instance import InstanceInfo
 from pdmesh_service.options import CommonConfig, redacted_url
 from pdmesh_service.redis_client import (
+    DATA_CONNECT_TIMEOUT_S,
+    DATA_TIMEOUT_S,
     SENTINEL_PORT,
     check_redis_url,
     connect,
@@ -35,6 +37,9 @@ from pdmesh_service.redis_client import (
 from pdmesh_service.registry import Registry, heartbeat_forever
 
 RECOVER_BOUND_S = 20.0  # down-after 1 s + sentinel's start desync (<= 1 s) + promotion, with slack
+TEST_BOUND_S = (
+    120.0  # a failover test that hangs fails here, with its stack, not at pytest's timeout
+)
 
 
 # ----- URL forms -----
@@ -103,6 +108,11 @@ def test_plain_urls_make_plain_clients_and_sentinel_urls_sentinel_clients() -> N
     assert isinstance(pool, SentinelConnectionPool) and pool.service_name == "mymaster"
     kwargs = pool.connection_kwargs
     assert (kwargs["db"], kwargs["password"], kwargs["socket_timeout"]) == (4, "pw", 2.0)
+    assert kwargs["socket_connect_timeout"] == DATA_CONNECT_TIMEOUT_S  # bounded by default
+    bounded = connect("redis+sentinel://127.0.0.1:1/mymaster?socket_connect_timeout=0.5")
+    bounded_kwargs = bounded.connection_pool.connection_kwargs
+    assert bounded_kwargs["socket_timeout"] == DATA_TIMEOUT_S
+    assert bounded_kwargs["socket_connect_timeout"] == 0.5
     sync = connect_sync("redis+sentinel://127.0.0.1:1/mymaster")
     assert sync.connection_pool.service_name == "mymaster"
     sync.close()
@@ -163,7 +173,7 @@ def test_a_client_survives_kill_9_of_the_primary(
         finally:
             await client.aclose()
 
-    recover_s = asyncio.run(main())
+    recover_s = asyncio.run(asyncio.wait_for(main(), TEST_BOUND_S))
     record_property("recover_s", round(recover_s, 3))
     print(f"kill -9 of the primary: the client wrote again after {recover_s:.2f}s")
     assert recover_s < RECOVER_BOUND_S
@@ -200,7 +210,7 @@ def test_a_coordinated_failover_sends_clients_to_the_new_primary(
     # Sentinel kills the demoted primary's client connections as it reconfigures it (so redis-py
     # reconnects, asking the sentinels, without an error); a command that still reached it would
     # get READONLY, which redis-py turns into one ConnectionError and a re-resolve.
-    errors = asyncio.run(main())
+    errors = asyncio.run(asyncio.wait_for(main(), TEST_BOUND_S))
     assert set(errors) <= {"The previous master is now a slave"} and len(errors) <= 1, errors
 
 

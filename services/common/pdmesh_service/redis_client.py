@@ -13,6 +13,11 @@ Two kinds of URL:
         redis-py's URL options (`socket_timeout`, `socket_connect_timeout`, ...) for the data
         nodes.
 
+Unless the URL sets them, a Sentinel client's data connections time out after `DATA_TIMEOUT_S`
+(connecting after `DATA_CONNECT_TIMEOUT_S`): a primary whose host vanished without closing its
+sockets must fail the command, so that the next one asks the sentinels again, rather than hang it
+(the services issue no blocking commands).
+
 A Sentinel client follows failovers by itself (redis-py's `SentinelConnectionPool`): every new
 connection asks the sentinels for the current primary, and a connection whose server answers
 READONLY (a demoted primary) is dropped and surfaces as `redis.exceptions.ConnectionError`. So
@@ -53,6 +58,8 @@ SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 SENTINEL_PORT = 26379  # Redis Sentinel's default port
 # sentinels that do not answer within this long are skipped (master discovery asks the next one)
 SENTINEL_TIMEOUT_S = 1.0
+DATA_TIMEOUT_S = 10.0  # a command's reply from a data node (none of the services' commands block)
+DATA_CONNECT_TIMEOUT_S = 5.0
 _SENTINEL_QUERY_KEYS = frozenset({"sentinel_password", "sentinel_username"})
 
 
@@ -207,6 +214,12 @@ class _SentinelRedisSync(redis.Redis):
             cast(SyncSentinelPool, self.connection_pool).sentinel_manager.close()
 
 
+def _data_kwargs(parsed: SentinelURL, given: dict[str, Any]) -> dict[str, Any]:
+    """The data nodes' connection options: bounded timeouts, then the URL's, then `given`."""
+    defaults = {"socket_timeout": DATA_TIMEOUT_S, "socket_connect_timeout": DATA_CONNECT_TIMEOUT_S}
+    return {**defaults, **parsed.connection_kwargs(), **given}
+
+
 def connect(url: str, **kwargs: Any) -> aioredis.Redis:
     """An asyncio client of the Redis at `url` (the primary, for a Sentinel URL); `kwargs` are
     redis-py connection options (`decode_responses`, `socket_timeout`, ...). The caller closes it
@@ -216,7 +229,7 @@ def connect(url: str, **kwargs: Any) -> aioredis.Redis:
     parsed = parse_sentinel_url(url)
     sentinel = AsyncSentinel(list(parsed.sentinels), sentinel_kwargs=parsed.sentinel_kwargs(kwargs))
     client: aioredis.Redis = sentinel.master_for(
-        parsed.service_name, redis_class=_SentinelRedis, **{**parsed.connection_kwargs(), **kwargs}
+        parsed.service_name, redis_class=_SentinelRedis, **_data_kwargs(parsed, kwargs)
     )
     return client
 
@@ -231,6 +244,6 @@ def connect_sync(url: str, **kwargs: Any) -> redis.Redis:
     client: redis.Redis = sentinel.master_for(
         parsed.service_name,
         redis_class=_SentinelRedisSync,
-        **{**parsed.connection_kwargs(), **kwargs},
+        **_data_kwargs(parsed, kwargs),
     )
     return client
