@@ -222,6 +222,28 @@ def copies(instructions: list[Instruction]) -> list[tuple[str, str]]:
     return pairs
 
 
+# what every image's builder stage copies besides its closure: deploy/image/ (builder.sh, worker.sh
+# and the local wheelhouse) and the lock every pip install is held to
+BUILD_SUPPORT = {"deploy/image": "/opt/build", "constraints.txt": "/opt/build/constraints.txt"}
+CONSTRAINT = "-c /opt/build/constraints.txt"
+
+
+def closure_copies(instructions: list[Instruction]) -> list[tuple[str, str]]:
+    """`copies` less the build-support ones (`BUILD_SUPPORT`)."""
+    return [(s, d) for s, d in copies(instructions) if s not in BUILD_SUPPORT]
+
+
+def unconstrained_installs(instructions: list[Instruction]) -> list[int]:
+    """Lines of RUNs that call `pip install` without the lock (`CONSTRAINT`)."""
+    return [
+        ins.line
+        for ins in instructions
+        if ins.keyword == "RUN"
+        and re.search(r"pip install\b", ins.args)
+        and CONSTRAINT not in ins.args
+    ]
+
+
 def pip_installed_paths(instructions: list[Instruction]) -> list[str]:
     """Local paths (`./x`) that RUN lines pass to `pip install`, in order, as `x`."""
     found: list[str] = []
@@ -249,7 +271,16 @@ def check_dockerfile(service: str, root: Path = ROOT) -> list[str]:
     instructions = parse_dockerfile(path.read_text())
     expected = closure_folders(service, root)
     problems: list[str] = []
-    pairs = copies(instructions)
+    support = [(s, d) for s, d in copies(instructions) if s in BUILD_SUPPORT]
+    if sorted(support) != sorted(BUILD_SUPPORT.items()):
+        problems.append(
+            f"{where}: COPY {support} != the build support {sorted(BUILD_SUPPORT.items())}"
+        )
+    problems += [
+        f"{where}:{n}: pip install without {CONSTRAINT}"
+        for n in unconstrained_installs(instructions)
+    ]
+    pairs = closure_copies(instructions)
     copied = [source for source, _ in pairs]
     if sorted(copied) != sorted(expected):
         problems.append(f"{where}: COPY {copied} != closure {expected}")

@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # Set up .venv/ at the repository root: CPU PyTorch first (a bare `torch` requirement would pull a
 # multi-GB CUDA build), then every pdmesh distribution (editable, in one pip call so the local ones
-# satisfy each other) with the test tools. Safe to run again.
+# satisfy each other) with the test tools. Every install is held to the lock, constraints.txt (exact
+# versions; refresh with `bash scripts/lock.sh`), so a run here, one on a fresh machine and the images
+# resolve the same versions; a .venv that has drifted is moved back to them. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
-TORCH_VERSION=${PDMESH_TORCH_VERSION:-2.13.0}
+LOCK=constraints.txt
+[ -f "$LOCK" ] || { echo "setup: $LOCK is missing (bash scripts/lock.sh writes it)" >&2; exit 1; }
+# The lock's torch unless PDMESH_TORCH_VERSION says otherwise (which must agree with the lock:
+# move both with `PDMESH_TORCH_VERSION=X bash scripts/lock.sh`).
+TORCH_VERSION=${PDMESH_TORCH_VERSION:-$(sed -n 's/^torch==//p' "$LOCK")}
 
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv" >&2
@@ -17,13 +23,13 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2> >(grep -v
 
 if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
   echo "setup: installing torch==$TORCH_VERSION" >&2
-  pip install "torch==$TORCH_VERSION"
+  pip install -c "$LOCK" "torch==$TORCH_VERSION"
 fi
 echo "setup: installing the pdmesh distributions (editable) and test tools" >&2
 editable=()
 for dir in $(bash scripts/distributions.sh); do editable+=(-e "./$dir"); done
 # compat mode: each editable install is a plain path in a .pth file, which mypy and IDEs can follow.
-pip install --config-settings editable_mode=compat "${editable[@]}" -e ".[test]"
+pip install -c "$LOCK" --config-settings editable_mode=compat "${editable[@]}" -e ".[test]"
 .venv/bin/python -c "import torch, pdmesh_engine, pdmesh_gateway, pdmesh.cli.main" \
   || { echo "setup: the install is broken" >&2; exit 1; }
 # The CPU layer kernel (C, OpenMP) is compiled once per machine into ~/.cache/pdmesh/kernels; do it

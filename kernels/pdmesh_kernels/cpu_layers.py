@@ -11,9 +11,14 @@ build on a CPU with AVX512-BF16 rounds the inputs of its products to bf16 for na
 
 The library is compiled on first use with the system C compiler (`$CC`, else `cc`; -O3
 -march=native -fopenmp) into a cache folder (`$PDMESH_KERNEL_CACHE`, else
-`~/.cache/pdmesh/kernels`), keyed by the source, the flags, the compiler and the CPU. Without a
-compiler `library()` returns None and the engine keeps its torch path; `PDMESH_CPU_LAYERS=0` turns
-the C path off.
+`~/.cache/pdmesh/kernels`), keyed by the source, the flags, the compiler and the CPU. Where there is
+no compiler (a container image's runtime stage) the library comes from a prebuilt folder
+(`$PDMESH_KERNEL_PREBUILT`, else `cpu/prebuilt/` beside the source) that `prebuild` fills at image
+build time: one build per dtype and x86-64 micro-architecture level (v4: AVX-512, v3: AVX2 and FMA,
+v2), of which the best level this CPU runs is loaded. With neither, `library()` returns None and the
+engine keeps its torch path; `PDMESH_CPU_LAYERS=0` turns the C path off.
+
+    python -m pdmesh_kernels.cpu_layers --prebuild [DIR]   # the prebuilt folder (image builds)
 
 Weights go in the layouts the products read fastest, made once at load: the linear weights, each
 routed expert's w13 and w2 and each head's absorbed slices (w_uk, w_uv) as 16-column panels
@@ -36,6 +41,7 @@ import tempfile
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -111,6 +117,15 @@ def i32(tensor: torch.Tensor) -> ctypes._Pointer[ctypes.c_int32]:
     return ctypes.cast(tensor.data_ptr(), _i32)
 
 
+# x86-64 micro-architecture levels a prebuilt library is compiled for (`-march=`), best first, with
+# the /proc/cpuinfo flags each needs (the psABI's lists, less the flags every level-2 CPU has)
+LEVELS = {
+    "x86-64-v4": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "bmi2"),
+    "x86-64-v3": ("avx2", "avx", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm"),
+    "x86-64-v2": ("sse4_2", "sse4_1", "ssse3", "popcnt", "cx16"),
+}
+
+
 def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
@@ -130,6 +145,20 @@ def _cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "pdmesh" / "kernels"
 
 
+def _prebuilt_dir() -> Path:
+    root = os.environ.get("PDMESH_KERNEL_PREBUILT")
+    return Path(root) if root else SOURCE.parent / "prebuilt"
+
+
+def _source_key() -> str:
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+
+
+def _prebuilt_name(dtype: torch.dtype, level: str) -> str:
+    """A prebuilt library's file name: its dtype, level and source (a stale build is not used)."""
+    return f"pdmesh_layers-{str(dtype).removeprefix('torch.')}-{level}-{_source_key()}.so"
+
+
 def build(compiler: str, dtype: torch.dtype = torch.float32) -> Path:
     """Compile `cpu/layers.c` for weights and KV cache in `dtype` (once per source, flags, compiler
     and CPU) and return the library's path. Raises RuntimeError with the compiler's output when it
@@ -145,8 +174,37 @@ def build(compiler: str, dtype: torch.dtype = torch.float32) -> Path:
     ).hexdigest()[:16]
     name = str(dtype).removeprefix("torch.")
     target = _cache_dir() / f"pdmesh_layers-{name}-{key}.so"
-    if target.exists():
-        return target
+    if not target.exists():
+        _compile(compiler, flags, target)
+    return target
+
+
+def prebuild(compiler: str, folder: Path | None = None) -> list[Path]:
+    """Compile every dtype at every micro-architecture level into `folder` (the prebuilt folder by
+    default) for a machine without a compiler; the paths written."""
+    folder = folder or _prebuilt_dir()
+    built = []
+    for dtype, dtype_flags in DTYPE_FLAGS.items():
+        for level in LEVELS:
+            flags = tuple(f"-march={level}" if f == "-march=native" else f for f in FLAGS)
+            target = folder / _prebuilt_name(dtype, level)
+            _compile(compiler, (*flags, *dtype_flags), target)
+            built.append(target)
+    return built
+
+
+def prebuilt(dtype: torch.dtype, flags: str | None = None) -> Path | None:
+    """The prebuilt library of `dtype` at the best level this CPU runs (its /proc/cpuinfo `flags`
+    line by default), or None."""
+    have = set((flags if flags is not None else _cpu_signature()).split())
+    for level, needs in LEVELS.items():
+        path = _prebuilt_dir() / _prebuilt_name(dtype, level)
+        if have.issuperset(needs) and path.exists():
+            return path
+    return None
+
+
+def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     log.info("compiling the CPU layer kernel into %s", target)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -160,7 +218,6 @@ def build(compiler: str, dtype: torch.dtype = torch.float32) -> Path:
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed on {SOURCE.name}:\n{done.stderr[-4000:]}")
         os.replace(out, target)  # atomic: a concurrent build of the same key writes the same file
-    return target
 
 
 def library(dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
@@ -173,14 +230,18 @@ def library(dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
 @cache
 def _library(dtype: torch.dtype) -> ctypes.CDLL | None:
     compiler = _compiler()
-    if compiler is None:
-        log.warning("no C compiler found: the CPU layer kernel is off (torch path)")
+    path = None if compiler else prebuilt(dtype)
+    if compiler is None and path is None:
+        log.warning(
+            "no C compiler and no prebuilt library: the CPU layer kernel is off (torch path)"
+        )
         return None
     try:
-        lib = ctypes.CDLL(str(build(compiler, dtype)))
+        lib = ctypes.CDLL(str(path or build(cast(str, compiler), dtype)))
     except (OSError, RuntimeError) as exc:
         log.warning("the CPU layer kernel is off (torch path): %s", exc)
         return None
+    lib.origin = f"prebuilt {path.name}" if path else f"compiled here by {compiler}"
     lib.pd_forward_layers.restype = ctypes.c_int
     lib.pd_forward_layers.argtypes = [
         ctypes.POINTER(Dims), ctypes.POINTER(Layer), ctypes.c_int64, _f32, ctypes.c_int64,
@@ -313,3 +374,29 @@ def forward_layers(
     )
     if status != 0:
         raise MemoryError("the CPU layer kernel could not allocate its work buffers")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m pdmesh_kernels.cpu_layers")
+    parser.add_argument(
+        "--prebuild",
+        nargs="?",
+        const="",
+        metavar="DIR",
+        required=True,
+        help="compile every dtype and micro-architecture level into DIR (default: the prebuilt "
+        "folder beside the source, where a machine without a compiler looks)",
+    )
+    args = parser.parse_args(argv)
+    compiler = _compiler()
+    if compiler is None:
+        parser.error("no C compiler ($CC, cc or gcc) on PATH")
+    for path in prebuild(compiler, Path(args.prebuild) if args.prebuild else None):
+        print(f"{path} ({path.stat().st_size // 1024} KiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

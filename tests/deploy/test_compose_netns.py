@@ -8,6 +8,10 @@ with its environment inside its namespace, in depends_on order, waits for each w
 healthcheck, then, from one more namespace, uses the openai SDK against the gateway by name and
 reads the workers' metrics: decode received KV bytes over NIXL, so the KV crossed namespaces by
 UCX over tcp.
+Where iptables filters bridged traffic (a host where dockerd runs or ran: FORWARD policy DROP and
+br_netfilter loaded, both kept after dockerd stops), the test lets its own bridge forward between
+its ports with rules of its own and removes exactly those with the namespaces; it never changes a
+policy or a sysctl of the host. Another live test proves that.
 The other tests check, without root, that the compose commands are flags the services take and that
 Prometheus and the Grafana dashboard cover what the services export.
 """
@@ -28,7 +32,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +51,9 @@ MODEL_MOUNT = "/models"  # where compose mounts the `models` volume
 HEALTH_TIMEOUT_S = 90.0  # per wave of services started together (workers load the model)
 CLIENT_TIMEOUT_S = 60.0
 STOP_GRACE_S = 10.0
+# The chains that get a rule for the test's bridge: FORWARD, and Docker's DOCKER-USER where it
+# exists (a dockerd that starts meanwhile puts its jump to DOCKER-USER back ahead of our rule).
+BRIDGE_CHAINS = ("FORWARD", "DOCKER-USER")
 VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
 METRIC_NAME = re.compile(r"\bpdmesh_[a-z0-9_]+")
 METRIC_KINDS = ("counter", "gauge", "histogram", "summary")
@@ -184,26 +191,32 @@ class Netns:
     addresses: dict[str, str]
     processes: dict[str, subprocess.Popen]
     logs: Path
+    rules: list[list[str]] = field(default_factory=list)  # iptables rules added for the bridge
 
     @property
     def bridge(self) -> str:
         return f"pdmb{self.suffix}"
 
     def close(self) -> None:
-        for process in self.processes.values():
-            with contextlib.suppress(ProcessLookupError):
-                process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for process in self.processes.values():
-            try:
-                process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        for ns in self.namespaces.values():
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
-        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+        try:
+            for process in self.processes.values():
+                with contextlib.suppress(ProcessLookupError):
+                    process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_S
+            for process in self.processes.values():
+                try:
+                    process.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+            for ns in self.namespaces.values():
+                subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+                shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+            subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+        finally:
+            while self.rules:  # each recorded rule deleted once, the last added first
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    iptables("-D", *self.rules.pop())
 
     def log_tail(self, name: str, num_chars: int = 3000) -> str:
         path = self.logs / f"{name}.log"
@@ -212,6 +225,36 @@ class Netns:
 
 def ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+def iptables(*args: str) -> subprocess.CompletedProcess[str]:
+    """`iptables -w ARGS` (waiting for the xtables lock, which dockerd takes too)."""
+    return subprocess.run(["iptables", "-w", *args], capture_output=True, text=True, timeout=30)
+
+
+def firewall_chains() -> dict[str, list[str]]:
+    """`iptables -S CHAIN` of each of BRIDGE_CHAINS that exists here (none without iptables)."""
+    if shutil.which("iptables") is None:
+        return {}
+    listed = {chain: iptables("-S", chain) for chain in BRIDGE_CHAINS}
+    return {
+        chain: done.stdout.splitlines() for chain, done in listed.items() if done.returncode == 0
+    }
+
+
+def allow_bridge_forwarding(net: Netns) -> None:
+    """Let the bridge forward between its own ports through iptables: `-i BR -o BR -j ACCEPT` at the
+    top of FORWARD and, where Docker made it, of DOCKER-USER. With br_netfilter loaded (dockerd
+    loads it; `net.bridge.bridge-nf-call-iptables = 1`) bridged IPv4 passes FORWARD, whose policy
+    dockerd sets to DROP; a bridge's own `bridge/nf_call_iptables = 0` cannot override the global 1.
+    Only IPv4 needs it: the namespaces have IPv4 addresses and the hosts files name only those. Each
+    rule is recorded in `net` before it is added, so `net.close()` deletes it whatever happens next.
+    Without iptables (or a filter table it can list) nothing filters there and nothing is added."""
+    for chain in firewall_chains():
+        rule = [chain, "-i", net.bridge, "-o", net.bridge, "-j", "ACCEPT"]
+        net.rules.append(rule)
+        added = iptables("-I", *rule)
+        assert added.returncode == 0, f"iptables -I {' '.join(rule)}: {added.stderr.strip()}"
 
 
 def netns_unavailable() -> str:
@@ -240,11 +283,13 @@ def free_subnet() -> str:
 
 
 def build_network(net: Netns, names: list[str]) -> None:
-    """A bridge at .1 and one namespace per name at .2, .3, ... with `eth0` and `lo` up; `net`
-    records each piece as it is made, so `net.close()` removes a half-built network too."""
+    """A bridge at .1, allowed to forward between its ports, and one namespace per name at .2, .3,
+    ... with `eth0` and `lo` up; `net` records each piece as it is made, so `net.close()` removes a
+    half-built network too."""
     ip("link", "add", net.bridge, "type", "bridge")
     ip("addr", "add", f"{net.subnet}.1/24", "dev", net.bridge)
     ip("link", "set", net.bridge, "up")
+    allow_bridge_forwarding(net)
     for i, name in enumerate(names):
         ns, veth = f"pdm-{name}-{net.suffix}", f"pdv{net.suffix}{i}"
         net.namespaces[name] = ns
@@ -324,19 +369,102 @@ def wait_healthy(net: Netns, names: list[str], services: dict[str, Any], model_r
 
 
 def start_in_order(net: Netns, services: dict[str, Any], model_root: Path) -> None:
-    """compose up: each wave is the services whose depends_on (those started here) are healthy."""
-    healthy: set[str] = set()
-    while len(healthy) < len(services):
+    """compose up: each wave is the services whose depends_on (those started here) are healthy;
+    a wave waits only for the services another one depends on (the gateway, which no one waits
+    for, is ready once a decode rank is), then every service must be healthy."""
+    depended = {d for s in services.values() for d in s.get("depends_on", {})}
+    started: set[str] = set()
+    while len(started) < len(services):
         wave = [
             n
             for n, s in services.items()
-            if n not in healthy and set(s.get("depends_on", {})) - set(NOT_STARTED) <= healthy
+            if n not in started and set(s.get("depends_on", {})) - set(NOT_STARTED) <= started
         ]
-        assert wave, f"depends_on has a cycle among {sorted(set(services) - healthy)}"
+        assert wave, f"depends_on has a cycle among {sorted(set(services) - started)}"
         for name in wave:
             start_service(net, name, services[name], model_root)
-        wait_healthy(net, wave, services, model_root)
-        healthy |= set(wave)
+        wait_healthy(net, [n for n in wave if n in depended], services, model_root)
+        started |= set(wave)
+    wait_healthy(net, list(services), services, model_root)
+
+
+@contextlib.contextmanager
+def namespace_network(names: list[str], logs: Path) -> Iterator[Netns]:
+    """A network of namespaces (build_network) for the block; removed on the way out, also when
+    the block (or the building) fails."""
+    net = Netns(secrets.token_hex(3), free_subnet(), {}, {}, {}, logs)
+    try:
+        build_network(net, names)
+        yield net
+    finally:
+        net.close()
+
+
+class BlockFailed(Exception):
+    """Raised inside a namespace network's block to take the path of a failing test."""
+
+
+# Run in a namespace: a TCP listener that prints its port, and a client that connects by name.
+LISTEN_SCRIPT = """
+import socket
+server = socket.create_server(("0.0.0.0", 0))
+print(server.getsockname()[1], flush=True)
+server.accept()[0].sendall(b"through")
+"""
+CONNECT_SCRIPT = """
+import socket, sys
+print(socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5).recv(64).decode())
+"""
+
+
+def test_netns_bridge_forwards_between_namespaces_and_leaves_the_host_firewall_as_it_was(
+    tmp_path: Path,
+) -> None:
+    """Between two of the test's namespaces a TCP connection by name goes through the bridge (on a
+    host with FORWARD policy DROP and br_netfilter, only because of the test's rules); while the
+    network is up, the only rules naming the test's bridge are one ACCEPT between its ports per
+    chain, and every policy is as it was; and after a block that fails, the same cleanup as the
+    mesh test's leaves every chain's policy as it was and no rule naming the bridge. (Rules of
+    others, e.g. a dockerd making a network meanwhile, may come and go.)"""
+    reason = netns_unavailable()
+    if reason:
+        pytest.skip(reason)
+    before = firewall_chains()
+    with pytest.raises(BlockFailed):
+        with namespace_network(["server", "client"], tmp_path) as net:
+            during = firewall_chains()
+            listener = subprocess.Popen(
+                ["ip", "netns", "exec", net.namespaces["server"], sys.executable, "-c"]
+                + [LISTEN_SCRIPT],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            net.processes["server"] = listener
+            assert listener.stdout is not None
+            port = listener.stdout.readline().strip()
+            assert port, f"listener exited {listener.poll()}"
+            done = subprocess.run(
+                ["ip", "netns", "exec", net.namespaces["client"], sys.executable, "-c"]
+                + [CONNECT_SCRIPT, "server", port],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            assert done.returncode == 0, f"client -> server across the bridge:\n{done.stderr}"
+            assert done.stdout.strip() == "through", done.stdout
+            raise BlockFailed
+    after = firewall_chains()
+
+    def policy(listing: list[str]) -> list[str]:
+        return [line for line in listing if line.startswith(("-P ", "-N "))]
+
+    assert during.keys() == before.keys() == after.keys(), (before, during, after)
+    for chain in before:
+        assert policy(during[chain]) == policy(after[chain]) == policy(before[chain]), chain
+        ours = [rule for rule in during[chain] if net.bridge in rule]
+        assert ours == [f"-A {chain} -i {net.bridge} -o {net.bridge} -j ACCEPT"], (chain, ours)
+        assert not [rule for rule in after[chain] if net.bridge in rule], (chain, after[chain])
+    assert net.rules == [], net.rules
 
 
 @pytest.fixture()
@@ -354,13 +482,9 @@ def netns_mesh(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Netns
     init_model(model_root / model_name, "tiny", seed=0, arch=request.param, verbose=False)
     logs = tmp_path / "logs"
     logs.mkdir()
-    net = Netns(secrets.token_hex(3), free_subnet(), {}, {}, {}, logs)
-    try:
-        build_network(net, [*services, "client"])
+    with namespace_network([*services, "client"], logs) as net:
         start_in_order(net, services, model_root)
         yield net
-    finally:
-        net.close()
 
 
 # Run in the client namespace: the gateway and the workers by their compose names.

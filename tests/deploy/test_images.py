@@ -131,7 +131,7 @@ def test_check_mode_passes_on_the_repository() -> None:
 
 @pytest.mark.parametrize("service", SERVICES)
 def test_copy_sources_exist_and_equal_the_closure(service: str) -> None:
-    pairs = closure.copies(_instructions(service))
+    pairs = closure.closure_copies(_instructions(service))
     for source, destination in pairs:
         assert (ROOT / source / "pyproject.toml").is_file(), f"COPY {source}: no distribution"
         assert destination == source, f"COPY {source} lands at {destination}"
@@ -178,23 +178,35 @@ def test_light_images_install_no_torch(service: str) -> None:
 @pytest.mark.parametrize("service", WORKERS)
 def test_worker_images_install_torch_first_from_build_arguments(service: str) -> None:
     names = {r.name for r in closure.third_party_requirements(service)}
-    assert {"torch", "triton", "nixl"} <= names
+    assert {"torch", "nixl"} <= names and "triton" not in names  # CUDA torch brings triton
     instructions = _instructions(service)
     args = dict(i.args.partition("=")[::2] for i in instructions if i.keyword == "ARG")
     assert args["BASE_IMAGE"] == "python:3.11-slim"
-    assert args["TORCH_SPEC"] == "torch==2.13.0"
-    assert args["PIP_EXTRA_INDEX_URL"] == ""
+    assert args["TORCH_SPEC"] == "torch==2.13.0+cpu"  # the CPU build by default
+    assert args["PIP_EXTRA_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    assert args["VARIANT"] == "cpu"
     torch_run = next(
         n for n, i in enumerate(instructions) if i.keyword == "RUN" and "TORCH_SPEC" in i.args
     )
-    first_copy = next(n for n, i in enumerate(instructions) if i.keyword == "COPY")
+    first_copy = next(
+        n
+        for n, i in enumerate(instructions)
+        if i.keyword == "COPY" and i.args.split()[0].rstrip("/") not in closure.BUILD_SUPPORT
+    )
     assert torch_run < first_copy, "torch is installed before the closure"
+    # one NIXL build and the CPU layer kernel compiled in the builder stage, after the install
+    runs = [i.args for i in instructions if i.keyword == "RUN"]
+    assert runs[-2:] != [] and any("worker.sh" in r for r in runs)
+    worker_sh = (ROOT / "deploy" / "image" / "worker.sh").read_text()
+    assert "pdmesh_kernels.cpu_layers --prebuild" in worker_sh
+    assert "builder.sh --compiler" in " ".join(runs)
 
 
 @pytest.mark.parametrize("service", SERVICES)
 def test_no_index_host_is_written(service: str) -> None:
     text = (ROOT / "services" / service / "Dockerfile").read_text()
-    assert re.findall(r"\b(?!redis)[a-z]+://", text) == []
+    hosts = re.findall(r"\b(?!redis)[a-z]+://[^/\s]*", text)
+    assert set(hosts) <= {"https://download.pytorch.org"}, hosts  # PyTorch's own index only
 
 
 @pytest.mark.parametrize("service", SERVICES)
@@ -229,3 +241,74 @@ def test_entrypoint_runs_the_service_module_on_all_interfaces(service: str) -> N
     assert _flag(cmd, "--redis-url").startswith("redis://")
     if service in ("gateway", *WORKERS):
         assert _flag(cmd, "--model") == "/model"
+
+
+# ---- what a build without a registry and a compose build need ------------------------------------
+
+DOCKERFILES = [ROOT / "services" / s / "Dockerfile" for s in SERVICES] + [
+    ROOT / "deploy" / "cli.Dockerfile"
+]
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.parent.name + "/" + p.name)
+def test_no_frontend_is_fetched_and_every_install_is_locked(path: Path) -> None:
+    """A `# syntax=` line makes BuildKit pull its frontend from a registry: with none reachable the
+    build fails before its first step. Every pip install is held to constraints.txt."""
+    text = path.read_text()
+    assert not re.search(r"^#\s*syntax\s*=", text, re.MULTILINE)
+    instructions = closure.parse_dockerfile(text)
+    assert closure.unconstrained_installs(instructions) == []
+    support = [i for i in instructions if i.keyword == "COPY" and "/opt/build" in i.args]
+    copied = dict(closure.copies(support))
+    assert {k: copied.get(k) for k in closure.BUILD_SUPPORT} == closure.BUILD_SUPPORT
+    assert "--index-url" not in text  # an extra index, never one that replaces PyPI
+
+
+def test_the_cli_image_pins_torch_to_the_cpu_build() -> None:
+    instructions = closure.parse_dockerfile((ROOT / "deploy" / "cli.Dockerfile").read_text())
+    args = dict(i.args.partition("=")[::2] for i in instructions if i.keyword == "ARG")
+    assert args["TORCH_SPEC"] == "torch==2.13.0+cpu"
+    assert args["PIP_EXTRA_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+
+
+def _compose() -> dict[str, Any]:
+    import yaml
+
+    parsed: dict[str, Any] = yaml.safe_load((ROOT / "deploy" / "compose.yaml").read_text())
+    return parsed
+
+
+def test_compose_passes_each_image_its_build_arguments() -> None:
+    """`docker compose up --build` builds what `docker build` would with the same variables: every
+    ARG a Dockerfile declares (BASE_IMAGE, TORCH_SPEC, ...) comes from the variable of its name."""
+    built = {n: s for n, s in _compose()["services"].items() if "build" in s}
+    assert set(built) == {*SERVICES, "model-init"}
+    for name, service in built.items():
+        dockerfile = ROOT / service["build"]["dockerfile"]
+        declared = {
+            i.args.partition("=")[0]
+            for i in closure.parse_dockerfile(dockerfile.read_text())
+            if i.keyword == "ARG"
+        }
+        passed = service["build"].get("args", {})
+        assert set(passed) == declared, (name, passed, declared)
+        for arg, value in passed.items():
+            assert re.fullmatch(r"\$\{" + arg + r"(:?-[^}]*)?\}", value), (name, arg, value)
+
+
+def test_the_control_plane_comes_up_without_the_workers() -> None:
+    services = _compose()["services"]
+    for name in ("gateway", "kvstore", "eplb"):
+        assert not {"prefill", "decode"} & set(services[name].get("depends_on", {})), name
+    for name in SERVICES:  # a killed service comes back by itself
+        assert services[name]["restart"] == "unless-stopped"
+    assert services["redis"]["image"].startswith("${REDIS_IMAGE:-")
+
+
+def test_kernels_need_no_triton_on_cpu() -> None:
+    """PyTorch's CUDA builds bring triton; a CPU image installs none (999 MB)."""
+    import tomllib
+
+    kernels = tomllib.loads((ROOT / "kernels" / "pyproject.toml").read_text())["project"]
+    assert not any(r.startswith("triton") for r in kernels["dependencies"])
+    assert any(r.startswith("triton") for r in kernels["optional-dependencies"]["triton"])

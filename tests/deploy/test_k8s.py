@@ -341,3 +341,49 @@ def test_workers_roll_by_instance_decode_first_and_drain(overlay: str) -> None:
         drain_s = float(flag_value(args, "--drain-s"))
         assert 0 < drain_s < pod_spec(obj)["terminationGracePeriodSeconds"], name
     assert order["decode"] < order["prefill"], order
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_every_image_is_a_compose_image_and_pins_by_digest(overlay: str, tmp_path: Path) -> None:
+    """The manifests run the images `docker compose build` makes (deploy/compose.yaml's names), and
+    a kustomization over the overlay that gives each a digest turns every container's image into
+    `name@sha256:...`: a release can pin them all."""
+    compose = yaml.safe_load((REPO / "deploy" / "compose.yaml").read_text())["services"]
+    compose_images = {
+        re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", s["image"]).split(":")[0] for s in compose.values()
+    }
+    names = {
+        c["image"].split("@")[0].rsplit(":", 1)[0]
+        for obj in render(overlay)
+        if obj["kind"] in (*WORKLOAD_KINDS, "Job")
+        for c in all_containers(obj)
+    }
+    assert names <= compose_images, names - compose_images
+    digests = {name: f"sha256:{n:064x}" for n, name in enumerate(sorted(names), start=1)}
+    shutil.copytree(REPO / "deploy" / "k8s", tmp_path / "k8s")  # kustomize takes relative roots
+    (tmp_path / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": [f"k8s/overlays/{overlay}"],
+                "images": [{"name": n, "digest": d} for n, d in digests.items()],
+            }
+        )
+    )
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    pinned = [
+        c["image"]
+        for obj in yaml.safe_load_all(out)
+        if obj and obj["kind"] in (*WORKLOAD_KINDS, "Job")
+        for c in all_containers(obj)
+    ]
+    assert pinned and all(
+        image == f"{image.split('@')[0]}@{digests[image.split('@')[0]]}" for image in pinned
+    ), pinned

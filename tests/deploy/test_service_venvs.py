@@ -1,10 +1,10 @@
 """Each light service's closure installs on its own and starts.
 
 A fresh venv per service (no system site packages), the closure folders pip-installed non-editable
-(third-party dependencies resolved by pip as usual), no torch, triton or NIXL importable, then the
-service run from that venv against a real Redis and asked for gRPC health through
-`python -m pdmesh_service.healthcheck` from the same venv: the Dockerfiles' builder stage without
-docker. Skipped only when pip cannot reach a package index.
+(third-party dependencies resolved by pip, held to constraints.txt), no torch, triton or NIXL
+importable, then the service run from that venv against a real Redis and asked for gRPC health
+through `python -m pdmesh_service.healthcheck` from the same venv: the Dockerfiles' builder stage
+without docker. Skipped only when pip cannot reach a package index.
 """
 
 from __future__ import annotations
@@ -96,6 +96,8 @@ def _install(service: str, root: Path, folders: list[str]) -> ServiceVenv:
         "install",
         "--disable-pip-version-check",
         "-q",
+        "-c",
+        str(ROOT / "constraints.txt"),  # the lock, as the images install
         *(f"./{f}" for f in folders),
     ]
     result = subprocess.run(

@@ -436,3 +436,48 @@ def test_the_library_is_built_once_into_the_cache(tmp_path: Path) -> None:
         text=True,
     )
     assert off.stdout.startswith("False")
+
+
+def test_without_a_compiler_the_best_prebuilt_level_the_cpu_runs_is_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An image's runtime stage has no compiler: `--prebuild` fills a folder at build time, and the
+    library loads from it, at the best micro-architecture level this CPU's flags allow."""
+    prebuilt = tmp_path / "prebuilt"
+    made = subprocess.run(
+        [sys.executable, "-m", "pdmesh_kernels.cpu_layers", "--prebuild", str(prebuilt)],
+        capture_output=True,
+        text=True,
+    )
+    assert made.returncode == 0, made.stderr
+    assert len(list(prebuilt.glob("*.so"))) == len(cpu_layers.DTYPE_FLAGS) * len(cpu_layers.LEVELS)
+    bare = tmp_path / "bin"  # a PATH with no cc or gcc
+    bare.mkdir()
+    script = (
+        "import torch; from pdmesh_kernels import cpu_layers as c; lib = c.library(); "
+        "print(c._compiler(), lib.origin, c.library(torch.bfloat16) is not None)"
+    )
+    env = {
+        **os.environ,
+        "PATH": str(bare),
+        "CC": "no-such-cc",
+        "PDMESH_KERNEL_PREBUILT": str(prebuilt),
+        "PDMESH_KERNEL_CACHE": str(tmp_path / "cache"),
+    }
+    loaded = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert loaded.returncode == 0, loaded.stderr
+    monkeypatch.setenv("PDMESH_KERNEL_PREBUILT", str(prebuilt))
+    best = cpu_layers.prebuilt(torch.float32)  # chosen from this CPU's flags
+    assert best is not None
+    assert loaded.stdout.split() == ["None", "prebuilt", best.name, "True"]
+    assert not (tmp_path / "cache").exists()  # nothing was compiled at run time
+    # the level follows the CPU's flags; a CPU below every level gets none
+    v3 = " ".join(cpu_layers.LEVELS["x86-64-v3"] + cpu_layers.LEVELS["x86-64-v2"])
+    v2 = " ".join(cpu_layers.LEVELS["x86-64-v2"])
+    assert "-x86-64-v3-" in str(cpu_layers.prebuilt(torch.float32, flags=v3))
+    assert "-x86-64-v2-" in str(cpu_layers.prebuilt(torch.bfloat16, flags=v2))
+    assert cpu_layers.prebuilt(torch.float32, flags="sse2") is None
+    # a library built from another source is not used
+    for path in prebuilt.glob("*.so"):
+        path.rename(path.with_name(path.name.replace(cpu_layers._source_key(), "0" * 16)))
+    assert cpu_layers.prebuilt(torch.float32) is None

@@ -119,10 +119,12 @@ class CpuLayerPath:
             log.debug("CPU layer path off: %s", reason or "the kernel library is not available")
             return None
         try:
-            return cls(lib, model)
+            path = cls(lib, model)
         except ValueError as exc:  # a weight not in the expected layout
             log.debug("CPU layer path off: %s", exc)
             return None
+        log.info("CPU layer path on: the C kernel runs the decoder layers (%s)", lib.origin)
+        return path
 
     def takes(self, batch: ForwardBatch, kv_caches: torch.Tensor) -> bool:
         return (
