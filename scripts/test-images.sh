@@ -229,6 +229,24 @@ assert not [m for m in ('torch', 'triton', 'nixl') if u.find_spec(m)]" \
 done
 
 URL=http://127.0.0.1:$HTTP_PORT
+up_speed() {  # up_speed MODEL: the speed check on `pdmesh up` (1P1D, same threads), beside compose's
+    local model=$1
+    say "the same measurement on pdmesh up ($model; 1 prefill, 1 decode, $THREADS torch threads each)"
+    .venv/bin/pdmesh up --prefill 1 --decode 1 --mode disagg --model "$REPO/engine/pdmesh_engine/checkpoints/$model" \
+        --port "$HTTP_PORT" --grpc-port $((HTTP_PORT + 1)) --torch-threads "$THREADS" >"$WORK/pdmesh-up-$model.log" 2>&1 &
+    UP_PID=$!
+    "$PY" scripts/images/check_mesh.py ready "$URL" --timeout-s 300 >/dev/null
+    "$PY" scripts/images/check_mesh.py speed "$URL" --json "$WORK/speed-up-$model.json" | tee -a "$WORK/figures.jsonl"
+    kill -TERM "$UP_PID"
+    wait "$UP_PID" || true
+    UP_PID=""
+    "$PY" - "$WORK" "$model" <<'EOF' | tee -a "$WORK/figures.jsonl"
+import json, sys, pathlib
+work, model = pathlib.Path(sys.argv[1]), sys.argv[2]
+c, u = (json.loads((work / f"speed-{k}-{model}.json").read_text())["decode_tokens_per_s"] for k in ("compose", "up"))
+print(json.dumps({"model": model, "decode_tokens_per_s_container": c, "decode_tokens_per_s_pdmesh_up": u, "container_over_up": round(c / u, 3)}))
+EOF
+}
 start=$(date +%s)
 if [ "$MODE" = light ]; then
     say "compose up: redis, kvstore, eplb, gateway (no workers)"
@@ -252,23 +270,19 @@ else
     "$PY" scripts/images/check_mesh.py serve "$URL" --model "$MODEL_DIR" --compose "$COMPOSE_LINE" \
         --json "$WORK/serve.json" | tee -a "$WORK/figures.jsonl"
     figure "{\"compose_up_to_healthy_s\": $healthy_s, \"compose_up_to_first_completion_s\": $(($(date +%s) - start))}"
-    "$PY" scripts/images/check_mesh.py speed "$URL" --json "$WORK/speed-compose.json" | tee -a "$WORK/figures.jsonl"
+    "$PY" scripts/images/check_mesh.py speed "$URL" --json "$WORK/speed-compose-coder-v4.json" | tee -a "$WORK/figures.jsonl"
     "$PY" scripts/images/check_mesh.py kill-decode "$URL" --compose "$COMPOSE_LINE" | tee -a "$WORK/figures.jsonl"
     compose down -v >/dev/null 2>&1
-    say "the same measurement on pdmesh up (1 prefill, 1 decode, same machine)"
-    .venv/bin/pdmesh up --prefill 1 --decode 1 --mode disagg --model "$MODEL_DIR" --port "$HTTP_PORT" \
-        --torch-threads "$THREADS" \
-        --grpc-port $((HTTP_PORT + 1)) >"$WORK/pdmesh-up.log" 2>&1 &
-    UP_PID=$!
+    up_speed coder-v4
+    # DeepSeek-V3, where the CPU layer kernel runs the decoder layers: the decode worker says so
+    say "compose up: the mesh on coder (DeepSeek-V3)"
+    PDMESH_MODEL=coder PDMESH_PRESET=coder compose up -d --no-build --wait --wait-timeout 600 >"$WORK/up-v3.log" 2>&1 \
+        || { cat "$WORK/up-v3.log" >&2; exit 1; }
     "$PY" scripts/images/check_mesh.py ready "$URL" --timeout-s 300 >/dev/null
-    "$PY" scripts/images/check_mesh.py speed "$URL" --json "$WORK/speed-up.json" | tee -a "$WORK/figures.jsonl"
-    kill -TERM "$UP_PID"; wait "$UP_PID" || true; UP_PID=""
-    "$PY" - "$WORK" <<'EOF' | tee -a "$WORK/figures.jsonl"
-import json, sys, pathlib
-work = pathlib.Path(sys.argv[1])
-c, u = (json.loads((work / f"speed-{k}.json").read_text())["decode_tokens_per_s"] for k in ("compose", "up"))
-print(json.dumps({"decode_tokens_per_s_container": c, "decode_tokens_per_s_pdmesh_up": u, "container_over_up": round(c / u, 3)}))
-EOF
+    compose logs decode 2>&1 | grep -m1 "CPU layer path on" >&2 || { say "decode did not take the CPU layer path"; exit 1; }
+    "$PY" scripts/images/check_mesh.py speed "$URL" --json "$WORK/speed-compose-coder.json" | tee -a "$WORK/figures.jsonl"
+    compose down -v >/dev/null 2>&1
+    up_speed coder
 fi
 
 "$PY" - "$WORK/figures.jsonl" "$RESULTS" "$MODE" <<'EOF'

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -173,26 +174,18 @@ def kill_decode(url: str, compose: list[str], streams: int, max_tokens: int) -> 
         ).stdout.strip()
 
     restarts_before = int(state("{{.RestartCount}}"))
-    tokens: list[int] = [0] * streams
+    tokens: list[int] = [0] * streams  # chunks seen
+    counted: list[list[int]] = [[] for _ in range(streams)]  # each stream's usage
     errors: list[str] = []
     first = threading.Barrier(streams + 1, timeout=120)
 
     def stream(i: int) -> None:
         try:
-            seen_first = False
-            for chunk in client.completions.create(
-                model=model,
-                prompt=f"{PROMPT} # stream {i}",
-                max_tokens=max_tokens,
-                temperature=0.0,
-                stream=True,
-                extra_body={"ignore_eos": True},
-            ):
-                if chunk.choices and chunk.choices[0].text:
-                    tokens[i] += 1
-                    if not seen_first:
-                        seen_first = True
-                        first.wait()
+            prompt = f"{PROMPT} # stream {i}"
+            for _ in _token_times(client, model, prompt, max_tokens, counted[i]):
+                tokens[i] += 1
+                if tokens[i] == 1:
+                    first.wait()
         except Exception as exc:  # noqa: BLE001 - every failure is reported
             errors.append(f"stream {i}: {type(exc).__name__}: {exc}")
             if not first.broken:
@@ -210,9 +203,9 @@ def kill_decode(url: str, compose: list[str], streams: int, max_tokens: int) -> 
     served_s = time.monotonic() - killed_at
     if errors:
         raise CheckFailed("; ".join(errors))
-    short = [n for n in tokens if n < max_tokens]
-    if short:
-        raise CheckFailed(f"streams ended short after the kill: {tokens} of {max_tokens}")
+    done = [c[-1] if c else 0 for c in counted]
+    if any(n != max_tokens for n in done):
+        raise CheckFailed(f"streams ended short after the kill: {done} of {max_tokens} tokens")
     deadline = time.monotonic() + 300
     while state("{{.State.Health.Status}}") != "healthy" or state("{{.State.Running}}") != "true":
         if time.monotonic() > deadline:
@@ -225,11 +218,31 @@ def kill_decode(url: str, compose: list[str], streams: int, max_tokens: int) -> 
     return {
         "streams": streams,
         "tokens_at_kill": at_kill,
-        "tokens_after": tokens,
+        "tokens_after": done,
         "streams_done_s_after_kill": round(served_s, 1),
         "decode_restarts": restarts,
         "serves_after_restart": after,
     }
+
+
+def _token_times(
+    client: openai.OpenAI, model: str, prompt: str, max_tokens: int, usage: list[int] | None = None
+) -> Iterator[float]:
+    """The arrival time of each streamed chunk that carries text (greedy, EOS ignored); the
+    completion's token count is appended to `usage` (the stream's last chunk says it)."""
+    for chunk in client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    ):
+        if chunk.choices and chunk.choices[0].text:
+            yield time.perf_counter()
+        if chunk.usage is not None and usage is not None:
+            usage.append(chunk.usage.completion_tokens)
 
 
 def serve_once(client: openai.OpenAI, model: str) -> bool:
@@ -242,20 +255,11 @@ def speed(url: str, requests: int, max_tokens: int) -> dict:
     model = _model_name(client)
     rates = []
     for i in range(requests):
-        times = []
-        for chunk in client.completions.create(
-            model=model,
-            prompt=f"{PROMPT} # speed {i}",
-            max_tokens=max_tokens,
-            temperature=0.0,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        ):
-            if chunk.choices and chunk.choices[0].text:
-                times.append(time.perf_counter())
-        if len(times) < 2:
-            raise CheckFailed(f"request {i} streamed {len(times)} tokens")
-        rates.append((len(times) - 1) / (times[-1] - times[0]))
+        usage: list[int] = []
+        times = list(_token_times(client, model, f"{PROMPT} # speed {i}", max_tokens, usage))
+        if len(times) < 2 or not usage:
+            raise CheckFailed(f"request {i} streamed {len(times)} chunks, usage {usage}")
+        rates.append((usage[-1] - 1) / (times[-1] - times[0]))  # tokens after the first
     return {
         "decode_tokens_per_s": round(statistics.median(rates), 2),
         "requests": requests,

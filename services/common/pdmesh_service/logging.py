@@ -1,4 +1,8 @@
-"""structlog JSON logs on stderr, with the request id bound per task (contextvars)."""
+"""structlog JSON logs on stderr, with the request id bound per task (contextvars).
+
+The engine and the kernels log through the standard library (`logging.getLogger(__name__)`: they do
+not depend on the services); their records are rendered the same way, at the service's level (the
+CPU layer path, weight loading, ...). Other libraries' records show from WARNING up."""
 
 from __future__ import annotations
 
@@ -30,6 +34,27 @@ def configure_logging(service: str, level: str = "INFO", json: bool = True) -> N
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[
+                structlog.stdlib.add_log_level,
+                structlog.stdlib.add_logger_name,
+                structlog.stdlib.PositionalArgumentsFormatter(),
+                structlog.processors.TimeStamper(fmt="iso", utc=True),
+                _add_service(service),
+            ],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING)
+    for name in STDLIB_LOGGERS:
+        logging.getLogger(name).setLevel(getattr(logging, level.upper(), logging.INFO))
+
+
+STDLIB_LOGGERS = ("pdmesh_engine", "pdmesh_kernels")  # logged at the service's level
 
 
 def _add_service(service: str) -> Callable[[WrappedLogger, str, EventDict], EventDict]:
