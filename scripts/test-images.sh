@@ -279,7 +279,8 @@ else
     PDMESH_MODEL=coder PDMESH_PRESET=coder compose up -d --no-build --wait --wait-timeout 600 >"$WORK/up-v3.log" 2>&1 \
         || { cat "$WORK/up-v3.log" >&2; exit 1; }
     "$PY" scripts/images/check_mesh.py ready "$URL" --timeout-s 300 >/dev/null
-    compose logs decode 2>&1 | grep -m1 "CPU layer path on" >&2 || { say "decode did not take the CPU layer path"; exit 1; }
+    compose logs decode >"$WORK/decode-v3.log" 2>&1
+    grep -m1 "CPU layer path on" "$WORK/decode-v3.log" >&2 || { say "decode did not take the CPU layer path"; exit 1; }
     "$PY" scripts/images/check_mesh.py speed "$URL" --json "$WORK/speed-compose-coder.json" | tee -a "$WORK/figures.jsonl"
     compose down -v >/dev/null 2>&1
     up_speed coder
