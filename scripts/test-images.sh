@@ -66,7 +66,9 @@ stop_docker() {
 
 find_compose() {
     if docker compose version >/dev/null 2>&1; then COMPOSE_BIN=(docker compose); return; fi
-    if command -v docker-compose >/dev/null && docker-compose version --short 2>/dev/null | grep -qv '^1\.'; then
+    local version
+    if command -v docker-compose >/dev/null && version=$(docker-compose version --short 2>/dev/null) \
+        && [[ $version != 1.* ]]; then
         COMPOSE_BIN=(docker-compose); return
     fi
     local bin=$WORK/tools/docker-compose
@@ -149,7 +151,7 @@ if [ "$MODE" = full ] && [ -z "${PIP_EXTRA_INDEX_URL+set}" ]; then
         say "PyTorch's CPU index is out of reach: the host's pip fetches $TORCH_SPEC into deploy/image/wheels/"
         before=$(ls deploy/image/wheels)
         "$PY" -m pip download -q --no-deps --only-binary :all: "$TORCH_SPEC" -d deploy/image/wheels 2> >(grep -v "is ignored" >&2)
-        FETCHED_WHEEL=$(comm -13 <(echo "$before") <(ls deploy/image/wheels) | head -1)
+        FETCHED_WHEEL=$(comm -13 <(echo "$before") <(ls deploy/image/wheels) | sed -n 1p)
         export PIP_EXTRA_INDEX_URL=
     fi
 fi
