@@ -42,11 +42,13 @@ PY=$REPO/.venv/bin/python
 STARTED_DOCKERD=""
 host_snapshot() { "$PY" scripts/images/host_net.py snapshot "$WORK/host"; }
 host_restore() { "$PY" scripts/images/host_net.py restore "$WORK/host"; }
+apt_install() { DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@"; }
 start_docker() {
     if docker info >/dev/null 2>&1; then say "using the running Docker daemon"; return; fi
     if ! command -v dockerd >/dev/null; then
         say "installing Debian's docker.io"
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker.io >"$WORK/apt.log" 2>&1 \
+        # a machine whose package lists were never fetched reads them first
+        { apt_install docker.io || { apt-get update -q && apt_install docker.io; }; } >"$WORK/apt.log" 2>&1 \
             || { tail -20 "$WORK/apt.log" >&2; exit 1; }
     fi
     host_snapshot

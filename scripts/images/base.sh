@@ -13,7 +13,8 @@ case $kind in
 python)
     command -v debootstrap >/dev/null || {
         echo "base: installing debootstrap" >&2
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q debootstrap >/dev/null
+        export DEBIAN_FRONTEND=noninteractive
+        { apt-get install -y -q debootstrap || { apt-get update -q && apt-get install -y -q debootstrap; }; } >/dev/null
     }
     root=$(mktemp -d)
     trap 'rm -rf "$root"' EXIT
