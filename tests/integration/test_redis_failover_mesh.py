@@ -25,6 +25,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 from meshlib import http_url, start_mesh
 from openai import OpenAI
 from redis_sentinel import SentinelDeployment
@@ -113,7 +114,7 @@ def _wait_registry_back(
     while time.monotonic() < deadline:
         try:
             now = _registry(url)
-        except OSError:
+        except (OSError, redis.RedisError):  # mid-failover: no primary yet (MasterNotFoundError)
             now = {}
         fresh = {k for k, v in now.items() if v.updated_ms > promoted_ms}
         if set(before) <= fresh:
