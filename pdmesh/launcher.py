@@ -1,11 +1,12 @@
 """The local launcher behind `pdmesh up`: plan the mesh's processes, start them, supervise them,
 stop them.
 
-plan_mesh(MeshOptions) → [ServiceSpec] (pure: names, ports, argv) → Mesh.start(): Redis (embedded
-unless a URL is given; password-protected) → kvstore → eplb → prefill and decode instances →
-gateway, each waited for through the standard gRPC health service (every rank of a DEP instance)
-→ Mesh.start_supervisor(): a thread restarts whatever dies (`pdmesh.supervisor`, policy in
-`MeshOptions.restart_policy`) → Mesh.stop(): SIGTERM in reverse order, SIGKILL after a grace period.
+plan_mesh(MeshOptions) → [ServiceSpec] (`pdmesh.mesh_plan`: names, ports, argv) → Mesh.start():
+Redis (embedded unless a URL is given; password-protected) → kvstore → eplb → prefill and decode
+instances → gateway, each waited for through the standard gRPC health service (every rank of a
+DEP instance) → Mesh.start_supervisor(): a thread restarts whatever dies (`pdmesh.supervisor`,
+policy in `MeshOptions.restart_policy`) → Mesh.stop(): SIGTERM in reverse order, SIGKILL after a
+grace period.
 
 Secrets never travel in argv (visible in `ps`): every child gets the Redis URL (with its password)
 as PDMESH_REDIS_URL and the mesh token as PDMESH_MESH_TOKEN in its environment; the gateway alone
@@ -15,6 +16,13 @@ by SIGKILL (PR_SET_PDEATHSIG), so no process is orphaned; a DEP instance's ranks
 their instance process. A DEP instance (`--prefill-dep`/`--decode-dep` N > 1) is one `pdmesh serve
 ROLE --dep N` process that runs its N ranks on N consecutive ports (`ServiceSpec.addresses`); it
 exits when one rank dies and is restarted as a whole.
+
+Autoscaling (`MeshOptions.autoscale`, `pdmesh up --autoscale prefill=1..3,decode=1..2`): the mesh
+starts its scaled pools as given (`pdmesh up`: at their lower bounds), the gateway decides, and
+`pdmesh.autoscaler` (a hook of the supervisor's thread) starts workers planned as `plan_mesh`
+would (`plan_worker`: the next name, free ports) or drains the newest ones. Its workers run with
+`--drain-s` (SIGTERM: not ready, finishing what they hold); stopping the mesh sends them SIGINT
+after SIGTERM, which ends a drain at once.
 """
 
 from __future__ import annotations
@@ -24,17 +32,25 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import TYPE_CHECKING
 
+from pdmesh.mesh_plan import (
+    DEFAULT_AUTOSCALE_DRAIN_S,
+    DEFAULT_WORKER_NICE,
+    WORKER_ROLES,
+    MeshOptions,
+    ServiceSpec,
+    plan_mesh,
+    plan_worker,
+    worker_spec,
+)
 from pdmesh.supervisor import REDIS, GrpcHealthProbe, RedisUnit, ServiceUnit, Supervisor, Unit
-from pdmesh_engine.model.configs import check_mesh_model
 from pdmesh_service.process import die_with_parent
-from pdmesh_service.redis_server import EmbeddedRedis, PortPicker, free_port, free_port_block
-from pdmesh_service.supervision import RestartPolicy, RestartRecord, record_restarts_sync
+from pdmesh_service.redis_server import EmbeddedRedis
+from pdmesh_service.supervision import RestartRecord, record_restarts_sync
 
 ROLE_ORDER = ("kvstore", "eplb", "prefill", "decode", "gateway")
 REDIS_URL_ENV, MESH_TOKEN_ENV, API_KEY_ENV = (
@@ -44,169 +60,19 @@ REDIS_URL_ENV, MESH_TOKEN_ENV, API_KEY_ENV = (
 )
 
 
-DEFAULT_WORKER_NICE = 5
+if TYPE_CHECKING:
+    from pdmesh.autoscaler import PoolScaler
 
-
-@dataclass(frozen=True)
-class MeshOptions:
-    model_dir: Path
-    num_prefill: int = 1
-    num_decode: int = 1
-    mode: str = "disagg"
-    host: str = "127.0.0.1"
-    http_port: int = 8000
-    grpc_port: int = 50051
-    redis_url: str | None = field(default=None, repr=False)  # may carry a password
-    deployment: str = "default"
-    log_dir: Path = Path("pdmesh-logs")
-    worker_args: tuple[str, ...] = ()  # engine options passed to prefill and decode ranks
-    log_level: str = "INFO"
-    prefill_dep: int = 1  # ranks per prefill instance (DEP)
-    decode_dep: int = 1  # ranks per decode instance (DEP)
-    num_redundant_experts: int = 0  # extra expert slots per MoE layer of DEP instances
-    dp_sync: str | None = None  # DEP instances' per-step all-reduce (None: the default)
-    # gateway admission per prefill rank (None: the gateway's default)
-    max_prefill_inflight: int | None = None
-    eplb_args: tuple[str, ...] = ()  # options of the EPLB controller (`pdmesh serve eplb --help`)
-    gateway_args: tuple[str, ...] = ()  # routing options of the gateway (`pdmesh serve gateway`)
-    restart_policy: RestartPolicy = RestartPolicy()  # max_restarts=0: a death stops the mesh
-    mesh_token: str = field(default="", repr=False)  # shared by the services; "": a random one
-    api_key: str = field(default="", repr=False)  # the gateway's API key; "": none
-    # the engine ranks' nice value: when they saturate the CPU, the front door and the control
-    # plane still run at once (their latency is every request's); 0: the same priority
-    worker_nice: int = DEFAULT_WORKER_NICE
-
-    def __post_init__(self) -> None:
-        check_mesh_model(self.model_dir)
-        if not 0 <= self.worker_nice <= 19:
-            raise ValueError(f"--worker-nice must be in [0, 19], got {self.worker_nice}")
-        if self.mode not in ("disagg", "agg"):
-            raise ValueError(f"--mode must be disagg or agg, got {self.mode!r}")
-        if self.num_decode < 1:
-            raise ValueError(f"--decode must be >= 1, got {self.num_decode}")
-        if self.num_prefill < 0 or (self.mode == "disagg" and self.num_prefill < 1):
-            raise ValueError(
-                f"--prefill must be >= 1 in disagg mode (>= 0 in agg), got {self.num_prefill}"
-            )
-        if self.prefill_dep < 1 or self.decode_dep < 1:
-            raise ValueError(
-                f"--prefill-dep and --decode-dep must be >= 1, got {self.prefill_dep}, "
-                f"{self.decode_dep}"
-            )
-        if self.num_redundant_experts and max(self.prefill_dep, self.decode_dep) == 1:
-            raise ValueError("--num-redundant-experts needs --prefill-dep or --decode-dep > 1")
-
-    def dep(self, role: str) -> int:
-        return {"prefill": self.prefill_dep, "decode": self.decode_dep}.get(role, 1)
-
-    @property
-    def num_worker_processes(self) -> int:
-        """Engine processes (ranks) of the mesh's prefill and decode instances."""
-        prefill = self.num_prefill if self.mode == "disagg" else 0
-        return prefill * self.prefill_dep + self.num_decode * self.decode_dep
-
-
-@dataclass(frozen=True)
-class ServiceSpec:
-    name: str  # instance id, also the log file's name
-    role: str
-    grpc_address: str
-    argv: tuple[str, ...]
-    metrics_port: int | None = None
-    # a DEP instance: every rank's gRPC address (rank 0's is grpc_address)
-    rank_addresses: tuple[str, ...] = ()
-
-    @property
-    def addresses(self) -> tuple[str, ...]:
-        """The gRPC endpoints of this service: one per rank."""
-        return self.rank_addresses or (self.grpc_address,)
-
-
-def plan_mesh(
-    options: MeshOptions, port_of=free_port, block_of=free_port_block
-) -> list[ServiceSpec]:
-    """The processes of a mesh, in start order (pure apart from picking free ports; no two picks
-    overlap, nor the gateway's fixed ports). No secret is in an argv: the Redis URL comes with the
-    environment (`Mesh.environment`)."""
-    host = options.host
-    picker = PortPicker(host, port_of, block_of, taken=(options.grpc_port, options.http_port))
-    base = (sys.executable, "-m", "pdmesh.cli.main", "serve")
-
-    def common(role: str, name: str, port: int, metrics: int | None) -> tuple[str, ...]:
-        args = (
-            *base,
-            role,
-            "--host",
-            host,
-            "--port",
-            str(port),
-            "--deployment",
-            options.deployment,
-            "--instance-id",
-            name,
-            "--log-level",
-            options.log_level,
-        )
-        return args + (("--metrics-port", str(metrics)) if metrics is not None else ())
-
-    specs: list[ServiceSpec] = []
-    kv_port, kv_metrics = picker.block(), picker.block()
-    kvstore = f"{host}:{kv_port}"
-    specs.append(
-        ServiceSpec(
-            "kvstore-0",
-            "kvstore",
-            kvstore,
-            common("kvstore", "kvstore-0", kv_port, kv_metrics),
-            kv_metrics,
-        )
-    )
-    eplb_port, eplb_metrics = picker.block(), picker.block()
-    specs.append(
-        ServiceSpec(
-            "eplb-0",
-            "eplb",
-            f"{host}:{eplb_port}",
-            common("eplb", "eplb-0", eplb_port, eplb_metrics) + options.eplb_args,
-            eplb_metrics,
-        )
-    )
-    num_prefill = options.num_prefill if options.mode == "disagg" else 0
-    for role, count in (("prefill", num_prefill), ("decode", options.num_decode)):
-        size = options.dep(role)
-        for index in range(count):
-            name = f"{role}-{index}"
-            port, metrics = picker.block(size), picker.block(size)
-            argv = common(role, name, port, metrics) + (
-                "--model",
-                str(options.model_dir),
-                "--kvstore",
-                kvstore,
-                *options.worker_args,
-                *_dep_argv(options, size),
-            )
-            ranks = tuple(f"{host}:{port + r}" for r in range(size)) if size > 1 else ()
-            specs.append(ServiceSpec(name, role, f"{host}:{port}", argv, metrics, ranks))
-    gateway_argv = common("gateway", "gateway-0", options.grpc_port, None) + (
-        "--model",
-        str(options.model_dir),
-        "--http-port",
-        str(options.http_port),
-        "--mode",
-        options.mode,
-    )
-    if options.max_prefill_inflight is not None:
-        gateway_argv += ("--max-prefill-inflight", str(options.max_prefill_inflight))
-    gateway_argv += options.gateway_args
-    specs.append(ServiceSpec("gateway-0", "gateway", f"{host}:{options.grpc_port}", gateway_argv))
-    return specs
-
-
-def _dep_argv(options: MeshOptions, size: int) -> tuple[str, ...]:
-    if size == 1:
-        return ()
-    argv = ("--dep", str(size), "--num-redundant-experts", str(options.num_redundant_experts))
-    return argv + (("--dp-sync", options.dp_sync) if options.dp_sync else ())
+__all__ = [
+    "DEFAULT_AUTOSCALE_DRAIN_S",
+    "DEFAULT_WORKER_NICE",
+    "Mesh",
+    "MeshOptions",
+    "ServiceSpec",
+    "plan_mesh",
+    "plan_worker",
+    "worker_spec",
+]
 
 
 @dataclass
@@ -230,6 +96,9 @@ class Mesh:
     progress: Callable[[str], None] = field(default=print, repr=False)
     startup_timeout_s: float = 300.0
     supervisor: Supervisor | None = field(default=None, init=False, repr=False)
+    # workers the autoscaler is draining: out of `specs`, in `processes` until they exit
+    retiring: dict[str, ServiceSpec] = field(default_factory=dict, repr=False)
+    scaler: PoolScaler | None = field(default=None, init=False, repr=False)
     _stopped: bool = field(default=False, init=False, repr=False)
 
     def start(self, timeout_s: float = 300.0, progress=print) -> None:
@@ -275,6 +144,27 @@ class Mesh:
         if spec.role == "gateway" and self.options.api_key:
             env[API_KEY_ENV] = self.options.api_key
         return env
+
+    # ----- autoscaling (`pdmesh.autoscaler`) -----
+    def add_worker(self, role: str) -> ServiceSpec:
+        """Plan (`plan_worker`) and start one more `role` instance; the caller watches it."""
+        spec = plan_worker(self.options, [*self.specs, *self.retiring.values()], role)
+        self.specs.append(spec)
+        self._spawn(spec)
+        return spec
+
+    def retire(self, name: str) -> subprocess.Popen[bytes] | None:
+        """Take a worker out of the mesh's services (it is drained): its process, kept in
+        `processes` until `forget`."""
+        [spec] = [s for s in self.specs if s.name == name]
+        self.specs.remove(spec)
+        self.retiring[name] = spec
+        return self.processes.get(name)
+
+    def forget(self, name: str) -> None:
+        """A retired worker exited: no trace of it is left."""
+        self.retiring.pop(name, None)
+        self.processes.pop(name, None)
 
     def _spawn(self, spec: ServiceSpec) -> None:
         with open(self.options.log_dir / f"{spec.name}.log", "ab") as log:
@@ -343,15 +233,7 @@ class Mesh:
         if self.supervisor is not None:
             raise RuntimeError("the supervisor is already running")
         units: list[Unit] = [RedisUnit(self.redis)] if self.redis is not None else []
-        for spec in self.specs:
-            units.append(
-                ServiceUnit(
-                    spec.name,
-                    spec.addresses,
-                    functools.partial(self.processes.get, spec.name),
-                    functools.partial(self._spawn, spec),
-                )
-            )
+        units += [self.unit(spec) for spec in self.specs]
         self.supervisor = Supervisor(
             units,
             self.options.restart_policy,
@@ -360,8 +242,22 @@ class Mesh:
             record=self._record_restarts,
             startup_timeout_s=self.startup_timeout_s,
         )
+        if self.options.autoscale is not None:
+            from pdmesh.autoscaler import PoolScaler
+
+            self.scaler = PoolScaler(self, self.supervisor)
+            self.supervisor.hooks.append(self.scaler.tick)
         self.supervisor.start()
         return self.supervisor
+
+    def unit(self, spec: ServiceSpec) -> ServiceUnit:
+        """What the supervisor watches of a planned service."""
+        return ServiceUnit(
+            spec.name,
+            spec.addresses,
+            functools.partial(self.processes.get, spec.name),
+            functools.partial(self._spawn, spec),
+        )
 
     def wait_gave_up(self, timeout_s: float | None = None) -> str | None:
         """Block until the supervisor gave up on the mesh (the service whose restart budget ran
@@ -392,9 +288,16 @@ class Mesh:
             self._shutdown(grace_s)
 
     def _shutdown(self, grace_s: float) -> None:
+        if self.scaler is not None:
+            self.scaler.close()
+        draining = {
+            s.name for s in [*self.specs, *self.retiring.values()] if s.role in WORKER_ROLES
+        }
         for name in reversed(list(self.processes)):
             if self.processes[name].poll() is None:
                 self.processes[name].send_signal(signal.SIGTERM)
+                if self.options.drain_s > 0 and name in draining:
+                    self.processes[name].send_signal(signal.SIGINT)  # no drain: stop at once
         deadline = time.monotonic() + grace_s
         for process in self.processes.values():
             try:

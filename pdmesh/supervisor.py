@@ -15,6 +15,10 @@ Restart records go to Redis (`pdmesh_service.supervision`) whenever something re
 back; a failed write (Redis down, maybe restarting) is retried at the next tick, and every record is
 written each time, since a restarted embedded Redis lost them.
 
+Services come and go while it runs (`pdmesh up --autoscale`, from its `hooks`, which run at the end
+of every tick in its thread): `add` watches a new one as starting (its first SERVING is reported as
+such), `remove` stops watching one the autoscaler drains, so its exit is not a death.
+
 Threading: `Supervisor.start()` runs the ticks in a thread. A child's PR_SET_PDEATHSIG fires when
 the *thread* that spawned it ends, so that thread must outlive what it restarted: `stop(shutdown)`
 has the supervisor thread itself run `shutdown` (stop every process) before it ends.
@@ -22,6 +26,7 @@ has the supervisor thread itself run `shutdown` (stop every process) before it e
 
 from __future__ import annotations
 
+import os
 import subprocess
 import threading
 import time
@@ -65,6 +70,7 @@ class GrpcHealthProbe:
     asked through futures: `poll()` looks at the answers so far and asks again where needed."""
 
     def __init__(self, addresses: Sequence[str], rpc_timeout_s: float = 1.0) -> None:
+        _no_grpc_fork_handlers()
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -97,6 +103,14 @@ class GrpcHealthProbe:
     def close(self) -> None:
         for channel in self._channels.values():
             channel.close()
+
+
+def _no_grpc_fork_handlers() -> None:
+    """Before this process first uses gRPC: no gRPC fork handlers. The launcher forks (and execs
+    at once: they serve no purpose) while its probes' gRPC threads run, and a fork while gRPC shut a
+    probe's channel down was seen waiting forever in gRPC's prefork handler. gRPC reads the setting
+    once, when it initialises; a value already in the environment is kept."""
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 
 @dataclass
@@ -172,6 +186,8 @@ class Supervisor:
     _stopping: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _shutdown: Callable[[], None] = lambda: None
+    # run at the end of every tick, in the supervisor's thread (what they spawn lives as long)
+    hooks: list[Callable[[float], None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         now = time.monotonic()
@@ -189,6 +205,30 @@ class Supervisor:
                 return
         if self._unrecorded:
             self._write_records()
+        for hook in self.hooks:
+            hook(now)
+
+    def add(self, unit: Unit, now: float) -> None:
+        """Watch a service started just now (not yet SERVING): as a restart is watched, under the
+        same policy and startup timeout."""
+        if unit.name in self._watches:
+            raise ValueError(f"{unit.name} is supervised already")
+        self.units.append(unit)
+        watch = _Watch(RestartTracker(self.policy), state="starting")
+        watch.due = now + self.startup_timeout_s
+        self._watches[unit.name] = watch
+
+    def remove(self, name: str) -> None:
+        """Stop watching a service (its exit from now on is not a death, nor restarted)."""
+        self.units = [u for u in self.units if u.name != name]
+        watch = self._watches.pop(name, None)
+        if watch is not None and watch.probe is not None:
+            watch.probe.close()
+
+    def is_serving(self, name: str) -> bool:
+        """Whether a supervised service runs and has reported SERVING (since its last start)."""
+        watch = self._watches.get(name)
+        return watch is not None and watch.state == "running"
 
     def _tick_unit(self, unit: Unit, watch: _Watch, now: float) -> None:
         if watch.state == "waiting":
@@ -251,7 +291,12 @@ class Supervisor:
             watch.probe.close()
         watch.state, watch.healthy_since, watch.probe = "running", now, None
         self._unrecorded = True  # a restarted Redis has lost the records: write them all again
-        self.progress(f"pdmesh up: {unit.name} is back (SERVING, restart {watch.tracker.restarts})")
+        if watch.tracker.restarts == 0:  # added while running (`add`): its first start
+            self.progress(f"pdmesh up: {unit.name} is SERVING")
+        else:
+            self.progress(
+                f"pdmesh up: {unit.name} is back (SERVING, restart {watch.tracker.restarts})"
+            )
 
     def _write_records(self) -> None:
         try:

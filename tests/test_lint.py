@@ -23,6 +23,8 @@ MYPY_TARGETS = [
     "pdmesh_service",
     *("-m", "pdmesh_gateway.core"),
     *("-m", "pdmesh_gateway.router"),
+    *("-m", "pdmesh_gateway.autoscale"),
+    *("-m", "pdmesh_gateway.load_window"),
     *("-m", "pdmesh_kvstore.core"),
     *("-m", "pdmesh_decode.core"),
     *("-m", "pdmesh_prefill.core"),

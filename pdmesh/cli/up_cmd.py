@@ -2,7 +2,11 @@
 keep it up: a process that dies is restarted with the same options (same instance id and ports)
 after a backoff of 0.5 s doubling to 10 s (reset once it served for 60 s); a service restarted
 --max-restarts times within 10 minutes that dies again makes the launcher give up: it prints that
-service's last log lines and stops the whole mesh (exit 1)."""
+service's last log lines and stops the whole mesh (exit 1).
+
+With `--autoscale prefill=1..3,decode=1..2` the named pools start at their lower bounds; the gateway
+decides their size from the load and the launcher starts or drains workers to match
+(`pdmesh.autoscaler`), printing a line per event."""
 
 from __future__ import annotations
 
@@ -15,7 +19,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from pdmesh.cli.options import resolve_model
-from pdmesh.launcher import DEFAULT_WORKER_NICE
+from pdmesh.launcher import DEFAULT_AUTOSCALE_DRAIN_S, DEFAULT_WORKER_NICE, MeshOptions
+from pdmesh_service.scaling import PoolBounds, parse_bounds
 from pdmesh_service.supervision import RestartPolicy
 from pdmesh_service.worker.engine_options import (
     add_engine_options,
@@ -26,6 +31,17 @@ from pdmesh_service.worker.engine_options import (
 )
 
 API_KEY_ENV, MESH_TOKEN_ENV = "PDMESH_API_KEY", "PDMESH_MESH_TOKEN"
+# the gateway's autoscale settings `pdmesh up` passes on (`pdmesh serve gateway --help`)
+AUTOSCALE_SETTINGS = (
+    ("interval_s", "seconds between two decisions"),
+    ("window_s", "seconds of recent load each decision reads"),
+    ("target_queue_s", "grow above this queue time at the gateway (p90)"),
+    ("target_utilization", "grow above this pool utilisation"),
+    ("low_utilization", "shrink only while the utilisation with one replica fewer stays below it"),
+    ("cooldown_s", "the low load must last this long (since the pool's last change) to shrink"),
+    ("up_cooldown_s", "seconds after a pool's last step was served before it grows again"),
+    ("up_stable_s", "grow only once the pool was the bottleneck this long without a break"),
+)
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -102,6 +118,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     routing.add_argument(
         "--queue-timeout-s", type=float, help="408 past this wait in the gateway's fair queue"
     )
+    _add_autoscale_arguments(p)
     g = p.add_argument_group(
         "EPLB controller (started with the mesh; balances the experts of DEP instances)"
     )
@@ -143,6 +160,39 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+def _add_autoscale_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "autoscaling (the gateway decides from the load; the launcher starts and drains workers)"
+    )
+    g.add_argument(
+        "--autoscale",
+        metavar="POOL=MIN..MAX,...",
+        default=None,
+        help="scale these pools (prefill, decode) between their bounds, e.g. prefill=1..3,"
+        "decode=1..2; each starts at its lower bound (--prefill/--decode count for the others). "
+        "Agg mode: decode only; not with DEP instances",
+    )
+    for name, what in AUTOSCALE_SETTINGS:
+        g.add_argument(
+            "--autoscale-" + name.replace("_", "-"),
+            type=float,
+            default=None,
+            help=f"{what} (default: the gateway's)",
+        )
+    g.add_argument(
+        "--autoscale-drain-s",
+        type=float,
+        default=DEFAULT_AUTOSCALE_DRAIN_S,
+        help="how long a worker the autoscaler stops may finish its requests (it stops as soon "
+        "as it is idle; what still runs then goes on on another rank)",
+    )
+
+
+def autoscale_bounds(args: argparse.Namespace) -> dict[str, PoolBounds] | None:
+    """--autoscale parsed (ValueError when it does not parse), None without it."""
+    return parse_bounds(args.autoscale) if args.autoscale else None
+
+
 def eplb_argv(args: argparse.Namespace) -> tuple[str, ...]:
     """The controller's options among `pdmesh up`'s, as its own flags."""
     argv: tuple[str, ...] = ("--no-rebalance",) if args.no_eplb else ()
@@ -158,7 +208,8 @@ def gateway_argv(args: argparse.Namespace) -> tuple[str, ...]:
     """The routing and queue options given, as gateway arguments (the gateway checks them)."""
     argv: tuple[str, ...] = ()
     names = ("prefill_routing", "local_prefill_tokens", "decode_balance", "max_queued")
-    for name in (*names, "max_queue_wait_s", "api_keys_file", "queue_timeout_s"):
+    settings = tuple("autoscale_" + name for name, _ in AUTOSCALE_SETTINGS)
+    for name in (*names, "max_queue_wait_s", "api_keys_file", "queue_timeout_s", *settings):
         value = getattr(args, name, None)
         if value is not None:
             argv += ("--" + name.replace("_", "-"), str(value))
@@ -166,14 +217,16 @@ def gateway_argv(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdmesh.launcher import Mesh, MeshOptions
+    from pdmesh.launcher import Mesh
 
     worker_engine_config(args)  # bad engine or speculation flags fail here, before anything starts
+    bounds = autoscale_bounds(args)
+    start_at = {pool: b.min_replicas for pool, b in (bounds or {}).items()}
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pdmesh-logs-"))
     options = MeshOptions(
         model_dir=resolve_model(args.model),
-        num_prefill=args.prefill,
-        num_decode=args.decode,
+        num_prefill=start_at.get("prefill", args.prefill),
+        num_decode=start_at.get("decode", args.decode),
         mode=args.mode,
         host=args.host,
         http_port=args.port,
@@ -193,10 +246,12 @@ def run(args: argparse.Namespace) -> int:
         mesh_token=os.environ.get(MESH_TOKEN_ENV, ""),  # "": the launcher makes one
         api_key=args.api_key,
         worker_nice=args.worker_nice,
+        autoscale=bounds,
     )
-    if args.torch_threads is None:  # worker ranks share this machine's cores
-        args.torch_threads = max(1, (os.cpu_count() or 1) // max(1, options.num_worker_processes))
-    options = replace(options, worker_args=tuple(engine_argv(args)))
+    if args.torch_threads is None:  # worker ranks share this machine's cores (at most of them)
+        args.torch_threads = max(1, (os.cpu_count() or 1) // max_worker_processes(options))
+    drain = ("--drain-s", f"{args.autoscale_drain_s:g}") if bounds else ()
+    options = replace(options, worker_args=(*engine_argv(args), *drain))
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     say(f"pdmesh up: model {options.model_dir}, mode {options.mode}, logs in {log_dir}")
     signal.signal(signal.SIGTERM, _interrupt)
@@ -219,6 +274,17 @@ def run(args: argparse.Namespace) -> int:
         say(f"pdmesh up: stopped; {restart_summary(mesh.restarts)}")
 
 
+def max_worker_processes(options: MeshOptions) -> int:
+    """Engine processes of the mesh at its largest (autoscaled pools at their upper bounds)."""
+    bounds = options.autoscale or {}
+    largest = replace(
+        options,
+        num_prefill=bounds["prefill"].max_replicas if "prefill" in bounds else options.num_prefill,
+        num_decode=bounds["decode"].max_replicas if "decode" in bounds else options.num_decode,
+    )
+    return max(1, largest.num_worker_processes)
+
+
 def restart_summary(restarts: dict[str, int]) -> str:
     """One line on what restarted during the run."""
     if not restarts:
@@ -237,6 +303,9 @@ def _print_ready(options) -> None:
     auth = f' -H "Authorization: Bearer ${API_KEY_ENV}"' if options.api_key else ""
     curl = f"curl -s {base}/v1/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
     key = "\n  API key      required (Authorization: Bearer <the key>)" if options.api_key else ""
+    if options.autoscale:
+        pools = ", ".join(f"{pool} {bounds}" for pool, bounds in options.autoscale.items())
+        key += f"\n  autoscaling  {pools} (the gateway decides; a line per change below)"
     restarts = options.restart_policy.max_restarts
     supervision = (
         f"a process that exits is restarted (at most {restarts} times per service in "

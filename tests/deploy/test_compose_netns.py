@@ -134,7 +134,8 @@ def test_prometheus_scrapes_every_pdmesh_compose_service_where_it_serves_metrics
 
 def defined_metrics() -> set[str]:
     """Every `pdmesh_*` name passed first to a call of Counter/Gauge/Histogram/Summary (or of a
-    helper named like one) in the services and the engine."""
+    helper named like one) in the services and the engine, or given to a module constant named
+    `*_METRIC` (a name other code shares, as KEDA's queries do)."""
     sources = [
         *REPO.glob("services/*/pdmesh_*/**/*.py"),
         *REPO.glob("engine/pdmesh_engine/**/*.py"),
@@ -142,6 +143,13 @@ def defined_metrics() -> set[str]:
     names: set[str] = set()
     for path in sources:
         for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id.endswith("_METRIC") for t in node.targets)
+                and isinstance(node.value, ast.Constant)
+                and str(node.value.value).startswith("pdmesh_")
+            ):
+                names.add(str(node.value.value))
             if not (
                 isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
             ):

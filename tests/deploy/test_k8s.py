@@ -36,6 +36,10 @@ FIELD_SAMPLES = {
     "metadata.labels['apps.kubernetes.io/pod-index']": "1",
 }
 VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+# every overlay; `autoscale` (cpu + KEDA ScaledObjects, single-rank workers: test_k8s_autoscale.py)
+# keeps every contract but the DEP one
+ALL_OVERLAYS = ["cpu", "gpu", "autoscale"]
+CRD_GROUPS = ("keda.sh/",)  # custom resources: no core schema to validate them against
 
 
 @cache
@@ -107,7 +111,7 @@ def flag_value(args: list[str], flag: str) -> str:
     raise AssertionError(f"{flag} not in {args}")
 
 
-@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+@pytest.mark.parametrize("overlay", ALL_OVERLAYS)
 def test_every_object_validates_against_the_kubernetes_schemas(overlay: str) -> None:
     import kubernetes_validate
 
@@ -125,13 +129,15 @@ def test_every_object_validates_against_the_kubernetes_schemas(overlay: str) -> 
         where = f"{overlay}: {obj['kind']} {obj['metadata']['name']}"
         if obj["kind"] != "Namespace":
             assert obj["metadata"].get("namespace") == "pdmesh", where
+        if obj["apiVersion"].startswith(CRD_GROUPS):
+            continue
         try:
             kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
         except kubernetes_validate.ValidationError as e:
             pytest.fail(f"{where}: {e.message} at {list(e.path)}")
 
 
-@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+@pytest.mark.parametrize("overlay", ALL_OVERLAYS)
 def test_every_workload_has_probes_and_resource_requests(overlay: str) -> None:
     names = {obj["metadata"]["name"] for obj in workloads(overlay)}
     assert names == {"redis", *PDMESH_SERVICES}
@@ -146,7 +152,7 @@ def test_every_workload_has_probes_and_resource_requests(overlay: str) -> None:
             )
 
 
-@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+@pytest.mark.parametrize("overlay", ALL_OVERLAYS)
 def test_grpc_probes_ask_for_the_services_health_name(overlay: str) -> None:
     expected = {
         "gateway": "pdmesh.gateway.v1.Generate",
@@ -171,7 +177,7 @@ def test_grpc_probes_ask_for_the_services_health_name(overlay: str) -> None:
         )
 
 
-@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+@pytest.mark.parametrize("overlay", ALL_OVERLAYS)
 def test_liveness_and_readiness_ask_the_probe_endpoints(overlay: str) -> None:
     """livenessProbe GETs /health/live, readinessProbe /health/ready (pdmesh_service.probes): on
     the metrics port (9090, --metrics-port) of every service but the gateway, on its REST port
@@ -245,7 +251,7 @@ def common_config_map(overlay: str) -> str:
     )
 
 
-@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+@pytest.mark.parametrize("overlay", ALL_OVERLAYS)
 def test_gateway_kvstore_and_eplb_run_their_torch_free_images(overlay: str) -> None:
     for name in TORCH_FREE:
         obj = by_kind_name(overlay, "Deployment", name)
@@ -285,7 +291,7 @@ def service_parser(name: str) -> argparse.ArgumentParser:
     return parser
 
 
-@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+@pytest.mark.parametrize("overlay", ALL_OVERLAYS)
 def test_containers_pass_flags_the_services_take(overlay: str) -> None:
     """Each pdmesh container's expanded arguments parse with its service's own parser and make a
     valid config; only PENDING_FLAGS may be unknown, and each of them must still be unknown."""
@@ -312,11 +318,11 @@ def test_containers_pass_flags_the_services_take(overlay: str) -> None:
     assert used_pending <= PENDING_FLAGS
 
 
-@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+@pytest.mark.parametrize("overlay", ALL_OVERLAYS)
 def test_every_variable_reference_resolves_in_its_container(overlay: str) -> None:
     """A $(VAR) the container's environment lacks would reach the service literally."""
     pods = [o for o in render(overlay) if o["kind"] in (*WORKLOAD_KINDS, "Job")]
-    assert any(o["kind"] == "Job" for o in pods) == (overlay == "cpu")
+    assert any(o["kind"] == "Job" for o in pods) == (overlay in ("cpu", "autoscale"))
     for obj in pods:
         for container in all_containers(obj):
             expand(
@@ -325,7 +331,7 @@ def test_every_variable_reference_resolves_in_its_container(overlay: str) -> Non
             )
 
 
-@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+@pytest.mark.parametrize("overlay", ALL_OVERLAYS)
 def test_workers_roll_by_instance_decode_first_and_drain(overlay: str) -> None:
     """A revision rollout keeps both revisions servable (deploy/README.md, "Rolling out a new
     revision"): no StatefulSet replaces its ranks one by one (a DEP group of two revisions cannot
@@ -343,7 +349,7 @@ def test_workers_roll_by_instance_decode_first_and_drain(overlay: str) -> None:
     assert order["decode"] < order["prefill"], order
 
 
-@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+@pytest.mark.parametrize("overlay", ALL_OVERLAYS)
 def test_every_image_is_a_compose_image_and_pins_by_digest(overlay: str, tmp_path: Path) -> None:
     """The manifests run the images `docker compose build` makes (deploy/compose.yaml's names), and
     a kustomization over the overlay that gives each a digest turns every container's image into

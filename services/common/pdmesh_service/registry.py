@@ -32,6 +32,7 @@ __all__ = [
     "Role",
     "connect",
     "heartbeat_forever",
+    "instance_key",
     "namespace",
     "stay_registered",
 ]
@@ -43,12 +44,17 @@ def namespace(deployment: str) -> str:
     return f"pdmesh:{deployment}"
 
 
+def instance_key(deployment: str, instance_id: str) -> str:
+    """The registry key of one instance rank (what a synchronous reader GETs)."""
+    return f"{namespace(deployment)}:instance:{instance_id}"
+
+
 class Registry:
     def __init__(self, client: aioredis.Redis, deployment: str = "default") -> None:
-        self.client, self.prefix = client, namespace(deployment)
+        self.client, self.prefix, self.deployment = client, namespace(deployment), deployment
 
     def key(self, instance_id: str) -> str:
-        return f"{self.prefix}:instance:{instance_id}"
+        return instance_key(self.deployment, instance_id)
 
     async def publish(self, info: InstanceInfo, ttl_s: float) -> bool:
         """Write the entry; whether it was missing before (first publish, or lost meanwhile)."""

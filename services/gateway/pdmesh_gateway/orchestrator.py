@@ -31,6 +31,7 @@ from pdmesh_engine.tokenizer import Tokenizer
 from pdmesh_gateway.admission import PrefillAdmission, QueueLimits, Shed
 from pdmesh_gateway.core import GenerationEvent, GenerationRequest, WorkerChunk
 from pdmesh_gateway.fair_queue import Entry, FairQueueConfig
+from pdmesh_gateway.load_window import LoadWindow
 from pdmesh_gateway.metrics import GatewayMetrics
 from pdmesh_gateway.migration import (
     DEFAULT_MAX_MIGRATIONS,
@@ -67,12 +68,14 @@ __all__ = [
 ]
 log = get_logger(__name__)
 CLOSE_GRACE_S = 2.0  # how long `close` lets reservation releases finish before cancelling them
+DEFAULT_LOAD_WINDOW_S = 10.0  # the autoscaler's window on the load (`load_window`)
 
 
 class Orchestrator:
     """Runs requests over the mesh; one per gateway process (its `WorkerClient` caches a channel per
     address). `active`: requests being generated now, waiting ones included; `waiting`: of those,
-    the ones waiting at the gateway (for a prefill slot or for decode blocks)."""
+    the ones waiting at the gateway (for a prefill slot or for decode blocks); `load_window`: the
+    recent arrivals, queue waits and outputs (what the autoscaler reads)."""
 
     def __init__(
         self,
@@ -94,12 +97,14 @@ class Orchestrator:
         fair_queue: FairQueueConfig = FairQueueConfig(),
         queue_timeout_s: float | None = None,
         tenant_registry: CollectorRegistry | None = None,  # the fair queue's series; None: hidden
+        load_window_s: float = DEFAULT_LOAD_WINDOW_S,
     ) -> None:
         if max_migrations < 0:
             raise ValueError(f"--max-migrations must be >= 0, got {max_migrations}")
         self.router, self.tokenizer, self.metrics = router, tokenizer, metrics
         self.mode, self.max_migrations = Mode(mode), max_migrations
         self.request_timeout_s = request_timeout_s
+        self.load_window = LoadWindow(load_window_s, started_at=time.monotonic())
         self.starter = Starter(
             router,
             workers if workers is not None else WorkerClient(),
@@ -115,6 +120,7 @@ class Orchestrator:
             unroutable_wait_s=unroutable_wait_s,
             routing=routing,
             queue_limits=queue_limits,
+            load_window=self.load_window,
         )
         self.active = 0
         metrics.watch_queue(self.starter.admission)
@@ -193,11 +199,12 @@ class Orchestrator:
         self.metrics.in_flight.inc()
         self.active += 1
         entry: Entry | None = None
+        ticket = self.load_window.arrived(time.monotonic(), len(request.prompt_ids))
         try:
             entry = await self._queue(request, tenancy, deadline)
             progress.admitted_at = time.monotonic()
             while attempt is not None:
-                stream = await self.starter.start(attempt, deadline, excluded, tries)
+                stream = await self.starter.start(attempt, deadline, excluded, tries, ticket)
                 if not progress.prefill_path:  # the first start's (a continuation re-prefills)
                     progress.prefill_path = stream.prefill_path
                 try:
@@ -231,6 +238,7 @@ class Orchestrator:
             self.active -= 1
             self.metrics.in_flight.dec()
             self.metrics.ended(progress, status)
+            self.load_window.ended(ticket, time.monotonic(), progress.num_tokens)
 
     async def _queue(self, request: GenerationRequest, tenancy: Tenancy, deadline: float) -> Entry:
         """A start slot from the fair queue (counted as waiting at the gateway meanwhile)."""

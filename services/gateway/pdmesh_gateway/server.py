@@ -22,12 +22,19 @@ from pdmesh_engine.model.configs import read_model_config
 from pdmesh_engine.tokenizer import Tokenizer
 from pdmesh_gateway.admission import QUEUED_PER_SLOT, QueueLimits
 from pdmesh_gateway.auth import ApiKeyMiddleware, Keys, api_key_interceptor
+from pdmesh_gateway.autoscale_loop import (
+    AutoscaleConfig,
+    AutoscaleLoop,
+    add_autoscale_arguments,
+    autoscale_from_args,
+)
 from pdmesh_gateway.collector import QueueAwareCollector
 from pdmesh_gateway.core import ModelInfo
 from pdmesh_gateway.fair_queue import DEFAULT_STARVATION_S, FairQueueConfig
 from pdmesh_gateway.metrics import GatewayMetrics
 from pdmesh_gateway.migration import DEFAULT_MAX_MIGRATIONS
 from pdmesh_gateway.orchestrator import (
+    DEFAULT_LOAD_WINDOW_S,
     DEFAULT_MAX_PREFILL_INFLIGHT,
     DEFAULT_UNROUTABLE_WAIT_S,
     Mode,
@@ -84,6 +91,7 @@ class GatewayConfig:
     tenants: Tenants | None = None  # --api-keys-file: keys → tenants and their limits
     fair_queue: FairQueueConfig = field(default_factory=FairQueueConfig)
     queue_timeout_s: float | None = None  # the longest wait in the fair queue (then 408)
+    autoscale: AutoscaleConfig | None = None  # --autoscale: the desired replicas loop; None: off
 
     @property
     def keys(self) -> Keys | None:
@@ -119,6 +127,13 @@ class GatewayConfig:
             raise ValueError(f"--unroutable-wait-s must be >= 0, got {self.unroutable_wait_s}")
         if self.queue_timeout_s is not None and not self.queue_timeout_s > 0:
             raise ValueError(f"--queue-timeout-s must be positive, got {self.queue_timeout_s}")
+        if self.autoscale and self.mode is Mode.AGG and "prefill" in self.autoscale.bounds:
+            raise ValueError("--autoscale prefill=...: agg mode has no prefill pool (scale decode)")
+
+    @property
+    def load_window_s(self) -> float:
+        """The orchestrator's window on the load (what the autoscaler reads)."""
+        return self.autoscale.settings.window_s if self.autoscale else DEFAULT_LOAD_WINDOW_S
 
     @property
     def model_name(self) -> str:
@@ -129,6 +144,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common_arguments(p)
     _add_api_key_arguments(p)
     _add_tenant_arguments(p)
+    add_autoscale_arguments(p)
     g = p.add_argument_group("gateway")
     g.add_argument(
         "--model", type=Path, required=True, help="Hugging Face model directory (tokenizer, config)"
@@ -330,6 +346,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
             reserved_slots=args.reserved_slots,
         ),
         queue_timeout_s=args.queue_timeout_s,
+        autoscale=autoscale_from_args(args),
     )
 
 
@@ -397,6 +414,7 @@ async def serve(config: GatewayConfig, ready: asyncio.Event | None = None) -> No
         fair_queue=config.fair_queue,
         queue_timeout_s=config.queue_timeout_s,
         tenant_registry=REGISTRY,
+        load_window_s=config.load_window_s,
     )
     servicer = GenerateServicer(orchestrator, tokenizer, model)
     keys = config.keys
@@ -443,6 +461,9 @@ async def serve(config: GatewayConfig, ready: asyncio.Event | None = None) -> No
         ),
         asyncio.ensure_future(metrics.watch_loop_lag()),
     ]
+    if config.autoscale is not None:
+        scaler = AutoscaleLoop(config.autoscale, orchestrator, router, redis, common.deployment)
+        tasks.append(asyncio.ensure_future(scaler.run()))
     try:
         await grpc_server.set_serving(True)
         log.info(

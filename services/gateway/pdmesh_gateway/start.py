@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Iterator, Sequence
 from enum import StrEnum
 from typing import TypeVar
@@ -40,6 +41,7 @@ from tenacity import AsyncRetrying, RetryCallState
 
 from pdmesh_gateway.admission import PrefillAdmission, QueueLimits
 from pdmesh_gateway.core import GenerationRequest
+from pdmesh_gateway.load_window import LoadWindow, QueueTicket
 from pdmesh_gateway.metrics import GatewayMetrics
 from pdmesh_gateway.migration import tried
 from pdmesh_gateway.prefix_lookup import PrefixLookup
@@ -148,8 +150,10 @@ class _PrefillChoice:
 
 class Starter:
     """Opens requests' decode streams (module docstring). `waiting`: requests waiting at the
-    gateway now (for a prefill slot, decode blocks or a decode rank); `paths`: requests started
-    per `Path`; `handoffs`: the measured cost of hand-offs (the `auto` local-prefill threshold)."""
+    gateway now (for a prefill slot, decode blocks or a decode rank); `blocks_waiting`: of those,
+    the ones waiting for decode KV blocks; `paths`: requests started per `Path`; `handoffs`: the
+    measured cost of hand-offs (the `auto` local-prefill threshold); `load_window`: told when a
+    request leaves the gateway's queues (a `QueueTicket` given to `start`)."""
 
     def __init__(
         self,
@@ -164,8 +168,10 @@ class Starter:
         unroutable_wait_s: float,
         routing: RoutingConfig,
         queue_limits: QueueLimits = QueueLimits(),
+        load_window: LoadWindow | None = None,
     ) -> None:
         self.router, self.workers, self.metrics, self.mode = router, workers, metrics, mode
+        self.load_window = load_window
         self.request_timeout_s, self.retry_policy = request_timeout_s, retry_policy
         self.unroutable_wait_s, self.routing = unroutable_wait_s, routing
         self.admission = PrefillAdmission(max_prefill_inflight, queue_limits)
@@ -174,6 +180,7 @@ class Starter:
         self.handoffs = HandoffModel()
         self.background = Background()  # reservation releases nobody waits for
         self.waiting = 0
+        self.blocks_waiting = 0
         self.paths = {str(p): 0 for p in Path}
         self.last_prefill = ""  # the prefill rank chosen last (ties go round robin)
         metrics.local_prefill_threshold.set(self.local_threshold)
@@ -189,16 +196,18 @@ class Starter:
         deadline: float,
         excluded: Exclusions,
         tries: Iterator[int],
+        ticket: QueueTicket | None = None,
     ) -> DecodeStream:
         """Open the request's decode stream, tried again as `retry_policy` says (nothing was sent
         yet); with no decode rank to try, wait up to `unroutable_wait_s` for one (a restarting
-        rank, a registry refilling after a Redis restart)."""
+        rank, a registry refilling after a Redis restart). `ticket` leaves the load window's
+        queue when the request gets its prefill slot (or its decode call begins)."""
         self._check_pin(request)
         loop = asyncio.get_running_loop()
         give_up_at = min(deadline, loop.time() + self.unroutable_wait_s)
         while True:
             try:
-                stream = await self._start_retrying(request, deadline, excluded, tries)
+                stream = await self._start_retrying(request, deadline, excluded, tries, ticket)
                 self.paths[stream.prefill_path] += 1
                 self.metrics.prefill_paths.labels(stream.prefill_path).inc()
                 return stream
@@ -225,6 +234,7 @@ class Starter:
         deadline: float,
         excluded: Exclusions,
         tries: Iterator[int],
+        ticket: QueueTicket | None,
     ) -> DecodeStream:
         decisions = StartRetry(self.retry_policy)
 
@@ -242,7 +252,8 @@ class Starter:
 
         async def start_once() -> DecodeStream:
             number = next(tries)  # 0: the request's first try, the only one the queue may shed
-            return await self._start_once(tried(request, number), deadline, excluded, number == 0)
+            attempt = tried(request, number)
+            return await self._start_once(attempt, deadline, excluded, number == 0, ticket)
 
         return await retried(retrying, start_once)
 
@@ -273,7 +284,12 @@ class Starter:
         return [i.instance_id for i in ready if i.instance_id not in skipped]
 
     async def _start_once(
-        self, request: GenerationRequest, deadline: float, excluded: Exclusions, bounded: bool
+        self,
+        request: GenerationRequest,
+        deadline: float,
+        excluded: Exclusions,
+        bounded: bool,
+        ticket: QueueTicket | None = None,
     ) -> DecodeStream:
         path, decode = Path.AGG, None
         if self.mode is Mode.DISAGG:
@@ -282,12 +298,15 @@ class Starter:
             if decode is not None:
                 path = Path.LOCAL
             else:
-                stream = await self._start_remote(request, deadline, excluded, cached, bounded)
+                stream = await self._start_remote(
+                    request, deadline, excluded, cached, bounded, ticket
+                )
                 if stream is not None:
                     return stream
         if decode is None:
             decode = self.router.pick_decode(self._skipped(excluded, request.dp_rank))
         timeout = self._timeout(deadline)
+        self._left_queue(ticket)
         self.router.note_sent(decode.instance_id, tokens=len(request.prompt_ids))
         try:
             stream = await while_live(
@@ -334,6 +353,7 @@ class Starter:
         excluded: Exclusions,
         cached: dict[str, int],
         bounded: bool,
+        ticket: QueueTicket | None = None,
     ) -> DecodeStream | None:
         """The disaggregated start on an admitted prefill rank; None when no prefill rank is
         usable. `bounded`: the queue may shed the request (its first try)."""
@@ -345,6 +365,7 @@ class Starter:
         rank = await self._admit(request, deadline, excluded, choice, bounded, revision)
         if rank is None:
             return None
+        self._left_queue(ticket)
         stream = await self._start_disagg(
             request, deadline, excluded, rank, choice.tokens if choice else 0, revision
         )
@@ -356,6 +377,10 @@ class Starter:
         if left <= 0:
             raise errors.DeadlineExceeded(f"request timed out after {self.request_timeout_s:g}s")
         return left
+
+    def _left_queue(self, ticket: QueueTicket | None) -> None:
+        if ticket is not None and self.load_window is not None:
+            self.load_window.left_queue(ticket, time.monotonic())
 
     def waiting_here(self) -> contextlib.AbstractContextManager[None]:
         """Counts a request as waiting at the gateway (the fair queue's wait, too)."""
@@ -453,8 +478,12 @@ class Starter:
         wait = BlocksWait(remaining=lambda: deadline - loop.time())
 
         async def sleep(seconds: float) -> None:
-            with self._waiting():
-                await asyncio.sleep(seconds)
+            self.blocks_waiting += 1
+            try:
+                with self._waiting():
+                    await asyncio.sleep(seconds)
+            finally:
+                self.blocks_waiting -= 1
 
         def overloaded(state: RetryCallState) -> None:
             raise Overloaded(
