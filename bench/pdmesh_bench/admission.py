@@ -197,6 +197,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="a few small requests (smoke test)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument(
+        "--sim",
+        type=Path,
+        metavar="COSTS.json",
+        help="also run the same burst on `pdmesh sim`'s model of this cost file, and compare "
+        "each cap's effect (relative to the first cap) measured vs simulated",
+    )
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -256,9 +263,11 @@ def run(args: argparse.Namespace) -> int:
             model_dir = init_model(Path(tmp) / args.preset, preset=args.preset, verbose=False)
         results = measure(model_dir, config, burst, caps)
     _print_table(results)
+    simulated = None if args.sim is None else _simulated(args, burst, caps, results)
     if args.json is not None:
         report: dict[str, Any] = {
             "results": [asdict(r) for r in results],
+            "simulated": simulated,
             "config": {
                 **asdict(burst),
                 "model": str(args.model or args.preset),
@@ -267,3 +276,32 @@ def run(args: argparse.Namespace) -> int:
         }
         args.json.write_text(json.dumps(report, indent=2))
     return 0 if all(r.same_tokens for r in results) else 1
+
+
+def _simulated(
+    args: argparse.Namespace, burst: Burst, caps: list[int | None], measured: list[CapResult]
+) -> list[dict[str, Any]]:
+    """The burst on the simulator, and each cap's effect against the first cap, both ways."""
+    from pdmesh_bench.sim.burst import simulate_burst
+    from pdmesh_bench.sim.costs import load_costs
+
+    costs = load_costs(args.sim)
+    threads = args.torch_threads or costs.cores
+    rows = [
+        simulate_burst(costs, burst.requests, burst.prompt_len, burst.max_tokens, cap, threads)
+        for cap in caps
+    ]
+    print(f"simulated ({args.sim}); effect of each cap against cap {measured[0].cap}:")
+    head = ("cap", "tok/s", "wait p99", "tok/s x meas/sim", "wait p99 x meas/sim")
+    print("{:>5} {:>9} {:>9}   {:>17} {:>20}".format(*head))
+    for row, real in zip(rows, measured, strict=True):
+        row["tokens_per_s_effect"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
+        row["wait_p99_effect"] = row["wait_ms_p99"] / max(rows[0]["wait_ms_p99"], 1e-9)
+        row["measured_tokens_per_s_effect"] = real.tokens_per_s / measured[0].tokens_per_s
+        row["measured_wait_p99_effect"] = real.wait_ms_p99 / max(measured[0].wait_ms_p99, 1e-9)
+        print(
+            f"{row['cap']:>5} {row['tokens_per_s']:>9.1f} {row['wait_ms_p99']:>9.1f}   "
+            f"{row['measured_tokens_per_s_effect']:>8.3f}/{row['tokens_per_s_effect']:<8.3f} "
+            f"{row['measured_wait_p99_effect']:>10.2f}/{row['wait_p99_effect']:<9.2f}"
+        )
+    return rows

@@ -48,8 +48,7 @@ from __future__ import annotations
 import asyncio
 import math
 import sys
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from statistics import fmean
 from typing import Any
@@ -57,6 +56,7 @@ from typing import Any
 import httpx
 
 from pdmesh_bench.serve import (
+    Issuer,
     Result,
     Sender,
     ServeOptions,
@@ -258,23 +258,23 @@ async def fetch_dp_size(client: httpx.AsyncClient, url: str) -> int:
 
 
 async def send_copies(
-    sender: Sender, copies: Sequence[Copy], jobs: Sequence[Sequence[Job]]
+    sender: Issuer, copies: Sequence[Copy], jobs: Sequence[Sequence[Job]]
 ) -> tuple[list[Result], float]:
     """Send each copy at its time (`jobs[rank][index]` pinned to its rank); (results, seconds)."""
-    t0 = time.perf_counter()
+    t0 = sender.clock()
     tasks = []
     for c in copies:
         at = t0 + c.send_s
-        delay = at - time.perf_counter()
+        delay = at - sender.clock()
         if delay > 0:
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(sender.issue(jobs[c.rank][c.index], at, c.rank)))
     results = list(await asyncio.gather(*tasks))
-    return results, time.perf_counter() - t0
+    return results, sender.clock() - t0
 
 
 async def run_replay(
-    sender: Sender,
+    sender: Issuer,
     workload: Workload,
     arrivals: list[float],
     replay: tuple[int, str, str, float],
@@ -309,27 +309,41 @@ async def run_replays(
     that `--json` writes."""
     url, model = config["url"], config["model"]
     dp_size = o.dp_size or await fetch_dp_size(client, url)
+    senders: list[Sender] = []
+
+    def new_sender(total: int) -> Sender:
+        ignore_eos = senders[-1].ignore_eos if senders else True  # dropped once if refused
+        senders.append(
+            Sender(client, f"{url}/v1/completions", model, o.timeout_s, total, o.progress_every)
+        )
+        senders[-1].ignore_eos = ignore_eos
+        return senders[-1]
+
+    result = await replay_all(o, workload, config, dp_size, new_sender)
+    result["config"]["ignore_eos_sent"] = senders[-1].ignore_eos if senders else True
+    return result
+
+
+async def replay_all(
+    o: ServeOptions,
+    workload: Workload,
+    config: dict[str, Any],
+    dp_size: int,
+    new_sender: Callable[[int], Issuer],
+) -> dict[str, Any]:
+    """The replays of `o.dp_replay` through senders from `new_sender(total requests)` (HTTP, or
+    the simulator's mesh)."""
     arrivals = list(workload.arrivals or [])
     if o.duration_s is not None:
         arrivals = [a for a in arrivals if a <= o.duration_s]
     replays: list[dict[str, Any]] = []
-    ignore_eos = True
     for number, (name, kind, lag) in enumerate(replays_of(o.dp_replay or "", o.lag_s, o.dp_rounds)):
         if replays:
             await asyncio.sleep(SETTLE_S)
-        sender = Sender(
-            client,
-            f"{url}/v1/completions",
-            model,
-            o.timeout_s,
-            len(arrivals) * dp_size,
-            o.progress_every,
-            ignore_eos,
-        )
+        sender = new_sender(len(arrivals) * dp_size)
         replays.append(
             await run_replay(sender, workload, arrivals, (number, name, kind, lag), dp_size, o.seed)
         )
-        ignore_eos = sender.ignore_eos
     return {
         "num_requests": sum(r["num_requests"] for r in replays),
         "num_completed": sum(r["num_completed"] for r in replays),
@@ -342,7 +356,7 @@ async def run_replays(
             "imbalance_cost": imbalance_cost(replays),
             "prefill_tokens_per_s_definition": THROUGHPUT_DEFINITION,
         },
-        "config": {**config, "dp_size": dp_size, "ignore_eos_sent": ignore_eos},
+        "config": {**config, "dp_size": dp_size},
         "scaling": workload.info,
     }
 

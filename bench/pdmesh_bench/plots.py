@@ -107,6 +107,13 @@ def write_ttft_plot(
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     else:
         ax.legend(loc="lower right", fontsize="small")
+    return save_figure(fig, path)
+
+
+def save_figure(fig: Any, path: str | Path) -> Path:
+    """Write a matplotlib figure to a PNG (its folder made) and close it."""
+    import matplotlib.pyplot as plt
+
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()

@@ -49,7 +49,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from itertools import pairwise
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import httpx
@@ -138,6 +138,38 @@ def register(sub: argparse._SubParsersAction) -> None:
         "serve", help="replay a trace or synthetic load against an OpenAI-compatible server"
     )
     p.add_argument("--url", default=ServeOptions.url, help="server base URL (default %(default)s)")
+    add_workload_arguments(p)
+    p.add_argument("--max-model-len", type=int, help="default: from GET /v1/models")
+    p.add_argument("--model", help="model name (default: the first of GET /v1/models)")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="per request, whole stream")
+    p.add_argument(
+        "--max-inflight", type=int, default=256, help="connection limit in open-loop mode"
+    )
+    p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --url")
+    p.add_argument("--progress-every", type=int, default=10)
+    p.add_argument("--json", type=Path, help="write the results to this JSON file")
+    p.add_argument("--label", help="this run's name in plots (default: the --json file's name)")
+    p.add_argument("--plot", type=Path, help="write the TTFT distribution (CDF) to this PNG")
+    p.add_argument(
+        "--plot-compare",
+        nargs="+",
+        type=Path,
+        default=[],
+        metavar="JSON",
+        help="overlay these runs' --json results in --plot (alone: plot them, send nothing)",
+    )
+    p.add_argument(
+        "--constrained-share",
+        type=float,
+        metavar="S",
+        help="this share (0..1) of the requests, drawn with --seed, carries a response_format JSON "
+        "schema; TTFT/ITL reported apart for constrained and unconstrained requests",
+    )
+    p.set_defaults(run=run)
+
+
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """What to send and when (shared with `pdmesh sim`, which replays the same workloads)."""
     source = p.add_mutually_exclusive_group()
     source.add_argument(
         "--trace", help="Mooncake .jsonl, Azure .csv, agentic .json (or a directory of them)"
@@ -183,26 +215,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--scale-factor", type=float, help="explicit scale factor in (0, 1]")
     p.add_argument("--keep-output-len", action="store_true", help="scale inputs only")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-model-len", type=int, help="default: from GET /v1/models")
-    p.add_argument("--model", help="model name (default: the first of GET /v1/models)")
-    p.add_argument("--vocab-size", type=int, default=1024, help="token ids are drawn below this")
-    p.add_argument("--timeout-s", type=float, default=300.0, help="per request, whole stream")
-    p.add_argument(
-        "--max-inflight", type=int, default=256, help="connection limit in open-loop mode"
-    )
-    p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --url")
-    p.add_argument("--progress-every", type=int, default=10)
-    p.add_argument("--json", type=Path, help="write the results to this JSON file")
-    p.add_argument("--label", help="this run's name in plots (default: the --json file's name)")
-    p.add_argument("--plot", type=Path, help="write the TTFT distribution (CDF) to this PNG")
-    p.add_argument(
-        "--plot-compare",
-        nargs="+",
-        type=Path,
-        default=[],
-        metavar="JSON",
-        help="overlay these runs' --json results in --plot (alone: plot them, send nothing)",
-    )
     p.add_argument(
         "--dp-replay",
         choices=("mirror", "lag", "both"),
@@ -216,15 +228,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=1,
         help="both: K lag replays, each between two mirrors (default 1: mirror, lag, mirror)",
     )
-    p.add_argument("--dp-size", type=int, help="DP ranks (default: from GET /mesh)")
     p.add_argument(
-        "--constrained-share",
-        type=float,
-        metavar="S",
-        help="this share (0..1) of the requests, drawn with --seed, carries a response_format JSON "
-        "schema; TTFT/ITL reported apart for constrained and unconstrained requests",
+        "--dp-size", type=int, help="DP ranks (default: from GET /mesh; sim: the DEP size)"
     )
-    p.set_defaults(run=run)
+    p.add_argument("--vocab-size", type=int, default=1024, help="token ids are drawn below this")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -437,6 +444,9 @@ class Sender:
     errors: list[str] = field(default_factory=list)
     constrained: dict[int, str] = field(default_factory=dict)  # job index -> its schema's name
 
+    def clock(self) -> float:
+        return time.perf_counter()
+
     def schema(self, job: Job) -> dict[str, Any] | None:
         """The JSON schema the job carries (None: unconstrained)."""
         name = self.constrained.get(job.index)
@@ -550,15 +560,26 @@ def _carries_token(choice: dict[str, Any]) -> bool:
     return bool(text) or choice.get("finish_reason") is None
 
 
+class Issuer(Protocol):
+    """What the arrival loops drive: `Sender` over HTTP, or the simulator's mesh
+    (`pdmesh_bench.sim`) on its virtual clock. `rank`: pinned to that DP rank (--dp-replay)."""
+
+    errors: list[str]
+
+    def clock(self) -> float: ...
+
+    async def issue(self, job: Job, scheduled: float, rank: int | None = None) -> Result: ...
+
+
 async def open_loop(
-    sender: Sender, jobs: list[Job], t0: float, deadline: float | None
+    sender: Issuer, jobs: list[Job], t0: float, deadline: float | None
 ) -> list[Result]:
     tasks = []
     for job in jobs:
         at = t0 + (job.arrival_s or 0.0)
         if deadline is not None and at > deadline:
             break
-        delay = at - time.perf_counter()
+        delay = at - sender.clock()
         if delay > 0:
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(sender.issue(job, at)))
@@ -566,23 +587,23 @@ async def open_loop(
 
 
 async def closed_loop(
-    sender: Sender, jobs: list[Job], concurrency: int, deadline: float | None
+    sender: Issuer, jobs: list[Job], concurrency: int, deadline: float | None
 ) -> list[Result]:
     queue = iter(jobs)
     results: list[Result] = []
 
     async def worker() -> None:
         for job in queue:  # one shared iterator: each job goes to exactly one worker
-            if deadline is not None and time.perf_counter() > deadline:
+            if deadline is not None and sender.clock() > deadline:
                 return
-            results.append(await sender.issue(job, time.perf_counter()))
+            results.append(await sender.issue(job, sender.clock()))
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return sorted(results, key=lambda r: r.index)
 
 
 async def session_loop(
-    sender: Sender,
+    sender: Issuer,
     jobs: list[Job],
     sessions: list[list[int]],
     think_s: float,
@@ -598,11 +619,11 @@ async def session_loop(
     async def driver() -> None:
         for turns in queue:  # one shared iterator: each session goes to exactly one driver
             for k, index in enumerate(turns):
-                if deadline is not None and time.perf_counter() > deadline:
+                if deadline is not None and sender.clock() > deadline:
                     return
                 if k and think_s:
                     await asyncio.sleep(think_s)
-                results.append(await sender.issue(jobs[index], time.perf_counter()))
+                results.append(await sender.issue(jobs[index], sender.clock()))
 
     await asyncio.gather(*(driver() for _ in range(concurrency or len(sessions))))
     return sorted(results, key=lambda r: r.index)
@@ -616,6 +637,14 @@ async def fetch_model(client: httpx.AsyncClient, url: str) -> tuple[str, int | N
         return first["id"], first.get("max_model_len")
     except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
         raise ValueError(f"GET {url}/v1/models failed: {type(e).__name__}: {e}") from None
+
+
+def arrival_mode(o: ServeOptions) -> str:
+    if o.sessions:
+        return "sessions"
+    if o.concurrency:
+        return "closed-loop"
+    return "poisson" if o.rate else "trace-timestamps"
 
 
 def http_client(o: ServeOptions, connections: int) -> httpx.AsyncClient:
@@ -638,11 +667,7 @@ async def _run(o: ServeOptions) -> dict[str, Any]:
             "url": url,
             "model": model,
             "max_model_len": max_model_len,
-            "mode": "sessions"
-            if o.sessions
-            else "closed-loop"
-            if o.concurrency
-            else ("poisson" if o.rate else "trace-timestamps"),
+            "mode": arrival_mode(o),
         }
         if o.dp_replay is not None:
             from pdmesh_bench.dp_replay import run_replays  # dp_replay imports this module

@@ -23,6 +23,10 @@ BENCHMARKS = (
     "grammar",
     "soak",
     "tenants",
+    "autoscale",
+    "costs",
+    "simcheck",
+    "rack",
 )
 
 
@@ -33,8 +37,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+MODULES = {"rack": "pdmesh_bench.sim.rack"}  # benchmarks that live beside the simulator
+
+
 def run(args: argparse.Namespace) -> int:
-    module = importlib.import_module(f"pdmesh_bench.{args.benchmark}")
+    module = importlib.import_module(MODULES.get(args.benchmark, f"pdmesh_bench.{args.benchmark}"))
     parser = argparse.ArgumentParser(prog="pdmesh bench")
     module.register(parser.add_subparsers(dest="bench_command", required=True))
     options = parser.parse_args([args.benchmark, *args.options])

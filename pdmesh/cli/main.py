@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
         generate_cmd,
         model_cmd,
         serve_cmd,
+        sim_cmd,
         up_cmd,
     )
 
@@ -31,12 +32,17 @@ def build_parser() -> argparse.ArgumentParser:
     up_cmd.register(commands)
     serve_cmd.register(commands)
     eplb_cmd.register(commands)
+    sim_cmd.register(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if rest and not getattr(args, "passes_options", False):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if getattr(args, "passes_options", False):
+        args.options = rest  # the command parses its own options (it is imported when it runs)
     try:
         return int(args.run(args) or 0)
     except (ValueError, CheckpointError, FileNotFoundError) as e:

@@ -106,10 +106,16 @@ class _Drain:
 class PrefillAdmission:
     """Per-prefill-rank slots with FCFS queues in front of them (module docstring)."""
 
-    def __init__(self, limit: int, limits: QueueLimits = QueueLimits()) -> None:
+    def __init__(
+        self,
+        limit: int,
+        limits: QueueLimits = QueueLimits(),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`clock`: seconds, for the drain rate (the simulator passes its virtual clock)."""
         if limit < 1:
             raise ValueError(f"the prefill admission limit must be >= 1, got {limit}")
-        self.limit, self.limits = limit, limits
+        self.limit, self.limits, self._clock = limit, limits, clock
         self._in_flight: dict[str, int] = {}
         self._queued_tokens: dict[str, int] = {}
         self._queues: dict[frozenset[str], deque[_Waiter]] = {}
@@ -142,7 +148,7 @@ class PrefillAdmission:
     def estimated_wait_s(self, place: int | None = None) -> float | None:
         """Seconds until the request at `place` in the queue (default: one arriving now) gets a
         slot, at the rate slots were granted lately; None before that rate is known."""
-        rate = self._drain.per_s(_now())
+        rate = self._drain.per_s(self._clock())
         place = self.waiting + 1 if place is None else place
         return None if rate is None else place / rate
 
@@ -150,7 +156,7 @@ class PrefillAdmission:
     def check_room(self) -> None:
         """`Shed` if a new request may not join the queue now (full, or its wait too long)."""
         if self.waiting >= self.max_queued:
-            rate = self._drain.per_s(_now())  # a place frees every 1/rate seconds
+            rate = self._drain.per_s(self._clock())  # a place frees every 1/rate seconds
             why = f"{self.waiting} requests are queued (--max-queued {self.max_queued})"
             self._shed("full", why, 1 / rate if rate else 1.0)
         max_wait = self.limits.max_wait_s
@@ -278,7 +284,7 @@ class PrefillAdmission:
         self._waiters.pop(waiter.seq, None)
         if rank is not None:
             _add(self._in_flight, rank, 1)
-            self._drain.times.append(_now())
+            self._drain.times.append(self._clock())
         waiter.future.set_result(rank)
 
     def _leave(self, waiter: _Waiter) -> None:
@@ -301,10 +307,6 @@ class PrefillAdmission:
         tied = [r for r in free if self.in_flight(r) == best]
         self._last = next((r for r in tied if r > self._last), tied[0])
         return self._last
-
-
-def _now() -> float:
-    return time.monotonic()
 
 
 def _add(counts: dict[str, int], key: str, delta: int) -> None:
