@@ -18,8 +18,6 @@ from pdmesh_bench.sim.plan import plan, topologies
 from pdmesh_bench.sim.slo import Slo
 from pdmesh_bench.simcheck import parse_topology
 
-TRACE = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "traces"
-
 
 @pytest.fixture
 def cost_file(tmp_path: Path) -> Path:
@@ -79,14 +77,25 @@ def test_a_kv_load_cap_spreads_a_burst_over_more_steps() -> None:
     assert capped["tokens_per_s"] < off["tokens_per_s"]
 
 
-def test_simcheck_reads_topologies_and_simulates_without_a_mesh(cost_file: Path) -> None:
+def test_simcheck_reads_topologies_and_simulates_without_a_mesh(
+    cost_file: Path, tmp_path: Path
+) -> None:
     assert parse_topology("2P1D") == Topology(2, 1)
     assert parse_topology("agg") == Topology(0, 1, mode="agg")
     with pytest.raises(ValueError, match="1P1D"):
         parse_topology("1x1")
+    trace = tmp_path / "trace.jsonl"  # Mooncake format: two sessions sharing a first block
+    rows = [
+        {"timestamp": 250 * i, "input_length": 700, "output_length": 20, "hash_ids": [1, 10 + i]}
+        for i in range(20)
+    ]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "check.json"
     code = main(
         ["bench", "simcheck", "--costs", str(cost_file), "--sim-only", "--topologies", "1P1D,agg",
-         "--serve", f"conv=--trace {TRACE / 'conversation_trace.jsonl'} --scale-to-context "
-         "--num-requests 20 --max-model-len 2048"]
+         "--serve", f"conv=--trace {trace} --max-model-len 2048", "--json", str(out)]
     )  # fmt: skip
     assert code == 0
+    cells = json.loads(out.read_text())["cells"]
+    assert [(c["topology"], c["workload"]) for c in cells] == [("1P1D", "conv"), ("agg 1D", "conv")]
+    assert all(c["simulated"]["num_completed"] == 20 for c in cells)
